@@ -1,0 +1,129 @@
+"""§5: attention over the paged KV cache.
+
+Every step the ModelRunner flattens the new tokens of all scheduled requests into one
+batch (Orca's selective batching). Only attention needs to know where one request ends
+and the next begins; that knowledge travels in an explicit `AttentionMetadata` object.
+
+Batch layout (an invariant the ModelRunner guarantees):
+    [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
+"Decode" here means only "this request computes exactly one new token this step";
+a one-token prefill chunk takes the same path, and that is correct for it too.
+
+The two attention calls use flash-attn's signatures. On CUDA with flash_attn importable
+they are flash-attn's kernels; otherwise they are the torch twins in `torch_attention.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each flattened token belongs. Built by ModelRunner, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
+    num_decode_tokens: int  # the first rows of the batch, one per decoding request
+    decode_context_lens: torch.Tensor  # [num_decodes] int32: KV length incl. the new token
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    num_prefill_tokens: int  # the remaining rows
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32: prefill chunk boundaries
+    cu_seqlens_k: torch.Tensor  # [num_prefills + 1] int32: KV length incl. the chunk
+    max_seqlen_q: int
+    max_seqlen_k: int
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two kernels, with flash-attn's signatures. Chosen once, in `select_backend`."""
+
+    name: str
+    varlen_func: Callable[..., torch.Tensor]  # flash_attn_varlen_func
+    with_kvcache: Callable[..., torch.Tensor]  # flash_attn_with_kvcache
+
+
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V into its cache slot (an indexed copy, no custom kernel)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer. The cache and backend are bound by the ModelRunner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache = torch.empty(0)
+        self.backend: AttentionBackend | None = None
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
+        if self.backend is None:
+            raise RuntimeError("Attention has no KV cache bound; ModelRunner.bind_kv_cache first")
+        store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd > 0:
+            out[:nd] = self.backend.with_kvcache(
+                q[:nd].unsqueeze(1), self.k_cache, self.v_cache,
+                cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
+                softmax_scale=self.scale, causal=True,
+            ).squeeze(1)
+        if meta.num_prefill_tokens > 0:
+            out[nd:] = self.backend.varlen_func(
+                q[nd:], self.k_cache, self.v_cache,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=meta.prefill_block_tables,
+            )
+        return out
+
+
+ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
+
+
+def select_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
+    """The one place that picks the kernels: flash-attn on CUDA when it imports, else torch.
+
+    requested: "auto", "flash-attn" (error if unusable) or "torch" (always works).
+    """
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested != "torch":
+        try:
+            import flash_attn
+        except ImportError:
+            flash_attn = None
+        if flash_attn is not None and device.type == "cuda":
+            return AttentionBackend(
+                "flash-attn", flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
+            )
+        if requested == "flash-attn":
+            why = "flash_attn is not installed" if flash_attn is None else f"device is {device.type}"
+            raise ValueError(
+                f"attention_backend='flash-attn' cannot be used: {why}. "
+                "Install it with `pip install nanoserve[gpu]` on a CUDA machine, "
+                "or use attention_backend='auto'."
+            )
+    from nanoserve.layers import torch_attention
+
+    return AttentionBackend(
+        "torch", torch_attention.flash_attn_varlen_func, torch_attention.flash_attn_with_kvcache
+    )

@@ -1,0 +1,91 @@
+"""§5: paged attention in plain torch, twins of flash-attn's two entry points.
+
+Same argument names and semantics as `flash_attn.flash_attn_varlen_func` (with
+`block_table`) and `flash_attn.flash_attn_with_kvcache`, so the Attention layer does not
+care which one it calls. They gather a request's KV blocks through its block table and
+run `scaled_dot_product_attention`: slower than a fused kernel, but exact and portable.
+
+Causal masking follows flash-attn: when a chunk of `lq` queries attends to `lk >= lq`
+keys, query i may see keys 0 .. lk - lq + i (the mask is aligned to the bottom right),
+because the chunk's tokens are the last `lq` of the request's `lk` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] indexed by [..., n] -> [..., n * block_size, H, D]."""
+    blocks = cache[block_table]
+    return blocks.flatten(-4, -3)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [total_q, H, D]. k, v: [total_k, Hkv, D], or paged caches
+    [num_blocks, block_size, Hkv, D] when `block_table` [batch, max_blocks] is given."""
+    if dropout_p != 0.0:
+        raise ValueError("the torch twin supports dropout_p=0.0 only (inference)")
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[-2]
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(starts_q) - 1):
+        q0, q1 = starts_q[i], starts_q[i + 1]
+        len_q, len_k = q1 - q0, starts_k[i + 1] - starts_k[i]
+        if block_table is None:
+            ki, vi = k[starts_k[i]:starts_k[i + 1]], v[starts_k[i]:starts_k[i + 1]]
+        else:
+            num_blocks = -(-len_k // k.shape[1])  # ceil division
+            ki = _gather_blocks(k, block_table[i, :num_blocks])[:len_k]
+            vi = _gather_blocks(v, block_table[i, :num_blocks])[:len_k]
+        # [len, H, D] -> [H, len, D]; each KV head serves `group` consecutive query heads.
+        qi = q[q0:q1].transpose(0, 1)
+        ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)
+        vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
+        if causal and len_q == len_k:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale)
+        else:
+            mask = None
+            if causal:
+                mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
+                mask = mask.tril(diagonal=len_k - len_q)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False,
+) -> torch.Tensor:
+    """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
+    request b, found through `block_table` [batch, max_blocks] in the paged caches."""
+    if k is not None or v is not None:
+        raise ValueError("the torch twin reads K/V already in the cache; pass k=None, v=None")
+    if block_table is None or cache_seqlens is None:
+        raise ValueError("the torch twin needs block_table and cache_seqlens")
+    batch, len_q, num_heads, head_dim = q.shape
+    if len_q != 1:
+        raise ValueError(f"the torch twin decodes one query per request, got {len_q}")
+    num_kv_heads = k_cache.shape[2]
+    # [batch, L, Hkv, D] -> [batch, Hkv, L, D]
+    keys = _gather_blocks(k_cache, block_table).transpose(1, 2)
+    values = _gather_blocks(v_cache, block_table).transpose(1, 2)
+    # GQA without copying K/V: the `group` query heads that share one KV head become
+    # `group` query rows of that head (heads are laid out kv_head * group + g).
+    q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    # With one query at the last position, causal masking = "only the first L keys".
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < cache_seqlens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask,
+                                         scale=softmax_scale)
+    return out.reshape(batch, 1, num_heads, head_dim)
