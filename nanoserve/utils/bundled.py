@@ -70,6 +70,7 @@ def default_model_dir() -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=final.parent))
     try:
         convert_gguf(gguf, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
         try:
             os.replace(tmp, final)
         except OSError:
