@@ -1,0 +1,154 @@
+"""§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once.
+
+Continuous batching needs memory that can be handed out and taken back at any step
+(§5): a request that finishes returns its blocks to the free pool in the same step, and
+a new request takes blocks from the pool as its tokens are computed.
+
+Prefix caching: each *full* block gets a hash chained from its parent's hash and its
+token ids, so equal hashes mean equal prefixes. A block whose KV has been computed is
+registered under its hash and stays reusable after it is freed, until the pool needs
+it back. A hit is verified against the stored token ids (hashes can collide).
+
+Invariants (checked by the property tests after every step):
+    num_free_blocks + num_used_blocks == num_blocks
+    ref_count >= 0; a block is in the free pool exactly when its ref_count is 0
+    a block with ref_count > 1 is a shared, cached, full prefix block
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nanoserve.engine.sequence import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free pool in eviction order: the front is taken first. Freed blocks that hold a
+        # cached prefix go to the back (least recently freed leaves first); blocks with
+        # nothing reusable go to the front. OrderedDict gives O(1) removal by id.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # block_hash -> block_id
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)  # ceil division
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Longest cached prefix of `req`, in whole blocks. The last token is never taken
+        from the cache, so even a fully cached prompt computes >= 1 token (its logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(num_full):
+            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens (after taking the cached
+        `computed_blocks`, at admission). All or nothing: False changes no state."""
+        computed_blocks = computed_blocks or []
+        # computed_blocks is only given at admission, when num_computed_tokens is 0.
+        num_cached_tokens = len(computed_blocks) * self.block_size
+        total = req.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed_blocks)
+        # Cached blocks sitting in the free pool are about to leave it, so they can't
+        # also be counted as room for new blocks.
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - num_revived:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            req.block_table.append(block_id)
+        if computed_blocks:
+            req.block_hashes = [self.blocks[b].block_hash for b in computed_blocks]
+        for _ in range(num_new_blocks):
+            req.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its prefix is no longer reusable
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks that became full *and computed* this step. Called after the
+        forward pass, never before: a hash must not promise KV that was never written."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(len(req.block_hashes), num_full):
+            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            req.block_hashes.append(parent)
+            block = self.blocks[req.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash, block.token_ids = parent, tokens
+                # First writer wins; an equal block computed twice just isn't shared.
+                self.cached_blocks.setdefault(parent, block.block_id)
+
+    def free(self, req: Request) -> None:
+        """Return all of `req`'s blocks. Tail blocks are freed first so that, among one
+        request's blocks, the shared prefix is evicted last."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref_count {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None  # back of the pool
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        req.block_table = []
+        req.block_hashes = []
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,108 @@
+"""CUDA graphs for decode steps (GPU only; never used on CPU).
+
+A decode step launches hundreds of small kernels; on a GPU their launch cost, not the
+arithmetic, sets the step time (§1: decode is memory bound). A CUDA graph records the
+launches once per batch size and replays them with one call. Shapes must be fixed, so
+graphs are captured for a ladder of batch sizes and a decode batch is padded up to the
+next captured size. Padding rows write their K/V into the runner's padding block, which
+belongs to no request, and read one key from it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanoserve.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nanoserve.engine.model_runner import ModelRunner
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+def padded_batch_size(num_rows: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds `num_rows`, or None if none does."""
+    return next((s for s in sizes if s >= num_rows), None)
+
+
+def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      batch_size: int, padding_block: int, block_size: int, max_blocks: int,
+                      ) -> tuple[torch.Tensor, ...]:
+    """Pad a decode batch of n rows to `batch_size` rows and its block tables to
+    `max_blocks` columns. Padding rows: token 0 at position 0, K/V written to the first
+    slot of `padding_block`, and attention over that one slot only."""
+    n, device = meta.num_decode_tokens, input_ids.device
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        out = torch.full((batch_size,), value, dtype=t.dtype, device=device)
+        out[:n] = t
+        return out
+
+    tables = torch.full((batch_size, max_blocks), padding_block, dtype=torch.int32, device=device)
+    tables[:n, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    return (pad(input_ids, 0), pad(positions, 0), pad(meta.slot_mapping, padding_block * block_size),
+            pad(meta.decode_context_lens, 1), tables)
+
+
+class CUDAGraphRunner:
+    """Captures the model's decode forward at each ladder size; replays padded batches."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_blocks = runner.max_blocks_per_seq
+        max_bs, device = self.sizes[-1], runner.device
+        # Static buffers: a graph reads its inputs from fixed addresses.
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        empty = torch.zeros(1, dtype=torch.int32, device=self.runner.device)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
+            decode_context_lens=self.context_lens[:bs], decode_block_tables=self.block_tables[:bs],
+            num_prefill_tokens=0, cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0,
+            max_seqlen_k=0, prefill_block_tables=empty.view(0, 1))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        model, pool = self.runner.model, None
+        self.slot_mapping.fill_(self.runner.padding_slot)
+        self.block_tables.fill_(self.runner.num_kv_blocks)  # the padding block
+        for bs in reversed(self.sizes):  # largest first, so smaller ones reuse its pool
+            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+            model(*args)  # warm up kernels (and lazy allocations) outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = model(*args)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return meta.num_decode_tokens <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        n = meta.num_decode_tokens
+        bs = padded_batch_size(n, self.sizes)
+        padded = pad_decode_inputs(input_ids, positions, meta, bs, self.runner.num_kv_blocks,
+                                   self.runner.block_size, self.max_blocks)
+        for buffer, value in zip((self.input_ids, self.positions, self.slot_mapping,
+                                  self.context_lens, self.block_tables), padded):
+            buffer[:bs].copy_(value)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,214 @@
+"""§4: the loop — receive requests, schedule, one forward step, process outputs, repeat.
+
+`LLM.step()` is one turn of that loop and the only place the three parts meet:
+    scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
+`generate()` is just "add every prompt, then step until nothing is left".
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+from transformers import AutoTokenizer, GenerationConfig
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.sequence import Request
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.bundled import default_model_dir
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline engine: `LLM(model=None, **config)`; model None = the bundled SmolLM2."""
+
+    def __init__(self, model: str | None = None, **config: object) -> None:
+        self.config = EngineConfig(model=model, **config)
+        self.model_dir = model if model is not None else default_model_dir()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model_runner = ModelRunner(self.config, self.model_dir)
+        hf_config = self.model_runner.hf_config
+        max_positions = getattr(hf_config, "max_position_embeddings", None)
+        if max_positions is not None and self.config.max_model_len > max_positions:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) must be <= the "
+                             f"model's max_position_embeddings ({max_positions})")
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.scheduler = Scheduler(self.config, self.model_runner.num_kv_blocks,
+                                   self.model_runner.block_size)
+        self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
+        self.num_steps = 0
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self._aborted: list[Request] = []  # returned by the next step()
+        self._ids = itertools.count()
+
+    def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
+        ids = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        try:
+            ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
+        except OSError:  # no generation_config.json
+            pass
+        flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
+        return frozenset(flat)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
+        """Validate everything and build the Request; changes no engine state."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            token_ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a str or a list of int token ids, "
+                             f"got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
+        bm = self.scheduler.block_manager
+        if bm.blocks_needed(len(token_ids) + 1) > bm.num_blocks:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens: with one generated token it needs "
+                f"{bm.blocks_needed(len(token_ids) + 1)} KV blocks, but the whole KV cache "
+                f"has {bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        params.validate()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        return Request(str(next(self._ids)), token_ids, params, self.eos_token_ids,
+                       priority=priority, prompt=text)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> str:
+        """Queue one request (a str or token ids); returns its request_id."""
+        req = self._make_request(prompt, sampling_params or SamplingParams(), priority)
+        self.scheduler.add_request(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting, running or preempted request; its output (finish_reason
+        "abort") comes from the next step(). Unknown or finished ids: no-op, False."""
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._aborted.append(req)
+        return req is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration (§4): schedule, run the model, process outputs. Returns the
+        requests that finished (or were aborted) in this step."""
+        out = self.scheduler.schedule()
+        finished: list[Request] = []
+        if not out.is_empty:
+            sampled = self.model_runner.execute_model(out)
+            finished = self.scheduler.update_from_output(out, sampled)
+        elif self.scheduler.has_unfinished_requests():
+            raise RuntimeError("the scheduler could schedule nothing although requests are "
+                               "pending; this is a bug (it would otherwise hang)")
+        self.num_steps += 1
+        self.last_scheduler_output = out
+        if self.trace:
+            print(self._trace_line(out, finished), file=sys.stderr)
+        finished, self._aborted = self._aborted + finished, []
+        return [self._output(r) for r in finished]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for all prompts; outputs come back in input order."""
+        if isinstance(prompts, str) or (
+                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a str, a list of token ids or a list of those, "
+                             f"got {type(prompts).__name__}")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries but there are "
+                                 f"{len(prompts)} prompts")
+        requests = [self._make_request(p, sp, 0) for p, sp in zip(prompts, params)]
+        for req in requests:  # all validated: only now does engine state change
+            self.scheduler.add_request(req)
+        mine = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        tokens = {"prefill": 0, "decode": 0}
+        start = time.perf_counter()
+        try:
+            while any(r is None for r in results):
+                for output in self.step():
+                    if output.request_id in mine:
+                        results[mine[output.request_id]] = output
+                        bar.update(1)
+                self._count_tokens(tokens)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"prefill {tokens['prefill'] / elapsed:.0f} tok/s, "
+                                    f"decode {tokens['decode'] / elapsed:.0f} tok/s")
+        except BaseException:
+            for req in requests:  # leave nothing of ours behind holding KV blocks
+                self.scheduler.abort(req.request_id)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def _count_tokens(self, tokens: dict[str, int]) -> None:
+        out = self.last_scheduler_output
+        for n in out.num_scheduled_tokens.values():
+            tokens["decode" if n == 1 else "prefill"] += n
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True),
+            token_ids=req.output_token_ids, finish_reason=req.finish_reason.value,
+            metrics=RequestMetrics.from_request(req))
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.usage, bm.num_free_blocks,
+                           s.num_preemptions, bm.prefix_cache_hit_rate, self.num_steps)
+
+    def _trace_line(self, out: SchedulerOutput, finished: list[Request]) -> str:
+        """One line per step, so a reader *sees* iteration-level scheduling."""
+        decode = [r.request_id for r in out.scheduled
+                  if out.num_scheduled_tokens[r.request_id] == 1]
+        prefill = [f"{r.request_id}[{r.num_computed_tokens - n}:{r.num_computed_tokens})"
+                   for r in out.scheduled
+                   if (n := out.num_scheduled_tokens[r.request_id]) > 1]
+        parts = [f"step {self.num_steps:4d}", f"decode {' '.join(decode) or '-'}",
+                 f"prefill {' '.join(prefill) or '-'}"]
+        if out.idle_rows:
+            parts.append(f"idle {' '.join(r.request_id for r in out.idle_rows)}")
+        if out.preempted:
+            parts.append(f"PREEMPTED {' '.join(r.request_id for r in out.preempted)}")
+        if finished:
+            parts.append("finished " + " ".join(
+                f"{r.request_id}({r.finish_reason.value})" for r in finished))
+        bm = self.scheduler.block_manager
+        parts.append(f"free blocks {bm.num_free_blocks}/{bm.num_blocks}")
+        return " | ".join(parts)

@@ -1,0 +1,53 @@
+"""What the engine hands back: per-request outputs and metrics, and engine-wide stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.engine.sequence import Request
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds. TTFT: arrival to first token (queueing included, §7). TPOT: mean time per
+    output token after the first. E2E: arrival to finish."""
+
+    arrival_time: float
+    ttft: float | None
+    tpot: float | None
+    e2e: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestMetrics:
+        ttft = tpot = e2e = None
+        if req.first_token_time is not None:
+            ttft = req.first_token_time - req.arrival_time
+        if req.finish_time is not None:
+            e2e = req.finish_time - req.arrival_time
+            if req.first_token_time is not None and req.num_output_tokens > 1:
+                tpot = (req.finish_time - req.first_token_time) / (req.num_output_tokens - 1)
+        return cls(req.arrival_time, ttft, tpot, e2e, req.num_preemptions, req.num_cached_tokens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length" or "abort"
+    metrics: RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_free_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens
+    num_steps: int
