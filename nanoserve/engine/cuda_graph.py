@@ -47,7 +47,8 @@ def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: At
 
     tables = torch.full((batch_size, max_blocks), padding_block, dtype=torch.int32, device=device)
     tables[:n, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-    return (pad(input_ids, 0), pad(positions, 0), pad(meta.slot_mapping, padding_block * block_size),
+    padding_slot = padding_block * block_size
+    return (pad(input_ids, 0), pad(positions, 0), pad(meta.slot_mapping, padding_slot),
             pad(meta.decode_context_lens, 1), tables)
 
 

@@ -83,7 +83,8 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = -(-num_tokens // self.block_size)
         self._allocate_kv_cache(num_blocks=num_seqs)  # a scratch cache for the warm-up
-        seq_lens = [self.block_size] * (num_seqs - 1) + [num_tokens - self.block_size * (num_seqs - 1)]
+        last = num_tokens - self.block_size * (num_seqs - 1)
+        seq_lens = [self.block_size] * (num_seqs - 1) + [last]
         self.warmup(seq_lens)
         peak = torch.cuda.max_memory_allocated(self.device)
         del self.kv_cache

@@ -15,8 +15,8 @@ they are flash-attn's kernels; otherwise they are the torch twins in `torch_atte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -105,7 +105,8 @@ def select_backend(device: torch.device, requested: str = "auto") -> AttentionBa
     requested: "auto", "flash-attn" (error if unusable) or "torch" (always works).
     """
     if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {requested!r}")
     if requested != "torch":
         try:
             import flash_attn
@@ -116,7 +117,9 @@ def select_backend(device: torch.device, requested: str = "auto") -> AttentionBa
                 "flash-attn", flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
             )
         if requested == "flash-attn":
-            why = "flash_attn is not installed" if flash_attn is None else f"device is {device.type}"
+            why = (
+                "flash_attn is not installed" if flash_attn is None else f"device is {device.type}"
+            )
             raise ValueError(
                 f"attention_backend='flash-attn' cannot be used: {why}. "
                 "Install it with `pip install nanoserve[gpu]` on a CUDA machine, "
