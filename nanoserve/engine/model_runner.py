@@ -40,14 +40,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config)
-        torch.manual_seed(config.seed)
-        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        # Backend and block size first: their errors must come before loading any weights.
         self.backend = select_backend(self.device, config.attention_backend)
         default_block_size = 256 if self.backend.name == "flash-attn" else 16
         self.block_size = config.block_size or default_block_size
         if self.backend.name == "flash-attn" and self.block_size % 256 != 0:
             raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
                              f"got {self.block_size}")
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
