@@ -23,12 +23,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.top_k == -1:
-            self.top_k = None
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
+        if self.top_k == -1:  # here, not in __post_init__: params may be changed after init
+            self.top_k = None
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         # `not t >= 0` (rather than `t < 0`) also rejects NaN, which would crash the sampler.
