@@ -65,7 +65,7 @@ class LLM:
         """Validate everything and build the Request; changes no engine state."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError("prompt must have at least 1 token, got ''")
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             token_ids, text = list(prompt), None
@@ -73,7 +73,7 @@ class LLM:
             raise ValueError(f"prompt must be a str or a list of int token ids, "
                              f"got {type(prompt).__name__}")
         if not token_ids:
-            raise ValueError("prompt is empty (0 tokens)")
+            raise ValueError("prompt must have at least 1 token, got 0")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
