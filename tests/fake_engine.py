@@ -25,7 +25,8 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakeRunner:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.num_calls = 0
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
@@ -35,27 +36,20 @@ class FakeRunner:
             n = out.num_scheduled_tokens[req.request_id]
             if n < 1 or req.num_computed_tokens + n > req.num_tokens:
                 raise AssertionError(f"bad schedule for {req.request_id}: {n} tokens")
-            if len(req.block_table) * out_block_size(out, req) < req.num_computed_tokens + n:
+            if len(req.block_table) * self.block_size < req.num_computed_tokens + n:
                 raise AssertionError(f"{req.request_id} has no KV slot for its new tokens")
             if req.num_computed_tokens + n == req.num_tokens:
                 sampled[req.request_id] = next_token(req.token_ids)
         return sampled
 
 
-def out_block_size(out: SchedulerOutput, req: Request) -> int:
-    return FakeEngine.block_size
-
-
 class FakeEngine:
     """Scheduler + FakeRunner with the same step() loop as LLM.step()."""
 
-    block_size = 4
-
     def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, **config: object) -> None:
-        FakeEngine.block_size = block_size
         self.config = EngineConfig(**config)
         self.scheduler = Scheduler(self.config, num_kv_blocks, block_size)
-        self.runner = FakeRunner()
+        self.runner = FakeRunner(block_size)
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []
 

@@ -1,0 +1,178 @@
+"""§5–§6 unit tests with a fake model runner: block accounting, the order of decisions in
+one schedule step, the victims FCFS and PRIORITY pick, static batching's idle rows, and
+prefix caching's hashing, verification and eviction order."""
+
+from __future__ import annotations
+
+from fake_engine import FakeEngine, expected_output
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.sequence import Request, RequestStatus
+from nanoserve.sampling_params import SamplingParams
+
+
+def assert_no_leak(engine: FakeEngine) -> None:
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_all_requests_finish_with_their_tokens_and_no_leak():
+    engine = FakeEngine(num_kv_blocks=16, block_size=4, max_num_batched_tokens=8)
+    prompts = {f"r{i}": list(range(1 + i, 6 + 3 * i)) for i in range(6)}
+    for rid, prompt in prompts.items():
+        engine.add(rid, prompt, max_tokens=5 + i if (i := int(rid[1:])) else 5)
+    finished = engine.run()
+    assert len(finished) == 6
+    for req in finished:
+        assert req.output_token_ids == expected_output(prompts[req.request_id],
+                                                       req.sampling_params.max_tokens)
+    assert_no_leak(engine)
+
+
+def test_running_first_then_admission_within_budget():
+    engine = FakeEngine(max_num_batched_tokens=10, max_num_seqs=8)
+    engine.add("a", [1] * 6, max_tokens=3)
+    engine.add("b", [2] * 6, max_tokens=3)
+    out = engine.scheduler.schedule()
+    # a takes 6 tokens; b gets the 4 left: its prefill is chunked and mixes with a's.
+    assert [r.request_id for r in out.scheduled] == ["a", "b"]
+    assert out.num_scheduled_tokens == {"a": 6, "b": 4}
+    engine.scheduler.update_from_output(out, {"a": 7})
+    out = engine.scheduler.schedule()
+    # Step 2: a decodes (1 token) and b finishes its prefill (2 tokens), in one batch.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 2}
+
+
+def test_max_num_seqs_caps_running():
+    engine = FakeEngine(max_num_seqs=2)
+    for i in range(4):
+        engine.add(f"r{i}", [i + 1] * 3, max_tokens=4)
+    out = engine.scheduler.schedule()
+    assert len(out.scheduled) == 2 and len(engine.scheduler.waiting) == 2
+    engine.run()
+    assert_no_leak(engine)
+
+
+def fill_running(engine: FakeEngine, priorities: list[int]) -> None:
+    """Admit one request per priority, each owning exactly one full block."""
+    for i, priority in enumerate(priorities):
+        engine.add(f"r{i}", [i + 1] * 3, max_tokens=10, priority=priority, arrival_time=float(i))
+    engine.step()  # prefill 3 tokens each and sample a 4th
+    engine.step()  # compute the 4th: one full block each; the 5th needs a new block
+
+
+def test_fcfs_preempts_the_last_running_request():
+    engine = FakeEngine(num_kv_blocks=4, block_size=4, max_num_seqs=4)
+    fill_running(engine, [0, 0, 0, 0])
+    out = engine.scheduler.schedule()  # every request needs a 2nd block; none is free
+    assert [r.request_id for r in out.preempted] == ["r3", "r2"]
+    assert [r.request_id for r in out.scheduled] == ["r0", "r1"]
+    # §6.3: preempted requests forget their KV and wait at the front, latest-preempted first.
+    waiting = list(engine.scheduler.waiting)
+    assert [r.request_id for r in waiting] == ["r2", "r3"]
+    assert all(r.num_computed_tokens == 0 and r.status == RequestStatus.PREEMPTED
+               for r in waiting)
+    assert not out.admitted  # nothing is admitted in a step that preempted
+
+
+def test_priority_preempts_the_largest_priority_then_latest_arrival():
+    engine = FakeEngine(num_kv_blocks=4, block_size=4, max_num_seqs=4,
+                        scheduling_policy="priority")
+    fill_running(engine, [1, 5, 0, 5])  # r1 and r3 are least important; r3 arrived last
+    out = engine.scheduler.schedule()
+    assert [r.request_id for r in out.preempted] == ["r3", "r1"]
+    assert sorted(r.request_id for r in out.scheduled) == ["r0", "r2"]
+
+
+def test_priority_victim_already_scheduled_gives_its_budget_back():
+    engine = FakeEngine(num_kv_blocks=3, block_size=4, scheduling_policy="priority")
+    engine.add("low", [1] * 3, max_tokens=8, priority=9, arrival_time=0.0)
+    engine.add("high", [2] * 3, max_tokens=10, priority=0, arrival_time=1.0)
+    engine.step()
+    engine.step()  # both hold one full block; one block is left
+    out = engine.scheduler.schedule()
+    # "low" runs first and takes the last block; "high" then needs one, and the victim
+    # is "low", although it was already scheduled: it leaves the batch and the budget.
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert [r.request_id for r in out.scheduled] == ["high"]
+    assert out.num_scheduled_tokens == {"high": 1}
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    engine.run()
+    assert engine.requests["low"].output_token_ids == expected_output([1] * 3, 8)
+    assert_no_leak(engine)
+
+
+def test_a_request_that_needs_the_whole_cache_preempts_itself_and_finishes():
+    engine = FakeEngine(num_kv_blocks=3, block_size=4)
+    engine.add("a", [1] * 5, max_tokens=20)  # capped at 12 tokens = the whole cache
+    engine.add("b", [2] * 5, max_tokens=4)
+    finished = engine.run()
+    a = next(r for r in finished if r.request_id == "a")
+    assert a.num_tokens == 12 and a.finish_reason.value == "length"
+    assert_no_leak(engine)
+
+
+def test_static_policy_keeps_idle_rows_until_the_batch_drains():
+    engine = FakeEngine(scheduling_policy="static", max_num_seqs=2)
+    engine.add("short", [1, 2], max_tokens=2)
+    engine.add("long", [3, 4], max_tokens=6)
+    engine.add("next", [5, 6], max_tokens=2)
+    finished_at = {}
+    for step in range(20):
+        for req in engine.step():
+            finished_at[req.request_id] = step
+        if not engine.scheduler.has_unfinished_requests():
+            break
+    idle = [len(out.idle_rows) for out in engine.outputs]
+    assert sum(idle) == 4  # "short" idles while "long" makes its last 4 tokens
+    assert finished_at["short"] == finished_at["long"]  # the batch leaves together
+    assert finished_at["next"] > finished_at["long"]  # and only then is "next" admitted
+    assert engine.requests["short"].output_token_ids == expected_output([1, 2], 2)
+    assert_no_leak(engine)
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=1))
+
+
+def test_prefix_cache_hit_needs_computed_full_blocks_and_recomputes_the_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(8)))
+    assert bm.get_computed_blocks(a) == [] and bm.allocate_slots(a, 8)
+    b = make_request("b", list(range(8)))
+    assert bm.get_computed_blocks(b) == []  # a's KV is not computed yet: no promise
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    # Fully cached 8-token prompt: only the first block is reused, the last token recomputes.
+    assert bm.get_computed_blocks(b) == a.block_table[:1]
+    c = make_request("c", list(range(4)) + [9, 9, 9, 9, 9])
+    assert bm.get_computed_blocks(c) == a.block_table[:1]
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = make_request("a", [1, 2, 3]), make_request("b", [5, 6, 7])
+    for req in (a, b):
+        bm.allocate_slots(req, 3)
+        req.num_computed_tokens = 3
+        bm.cache_full_blocks(req)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 4
+    # The two non-full tail blocks are taken first, then a's block (freed before b's).
+    d = make_request("d", [8] * 6)
+    bm.allocate_slots(d, 6)
+    assert bm.get_computed_blocks(make_request("a2", [1, 2, 3])) == []
+    assert len(bm.get_computed_blocks(make_request("b2", [5, 6, 7]))) == 1
+
+
+def test_hash_collision_is_a_miss_not_a_wrong_hit():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3])
+    bm.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    bm.cache_full_blocks(a)
+    block = bm.blocks[a.block_table[0]]
+    block.token_ids = (7, 7)  # pretend another prefix had landed on the same hash
+    assert bm.get_computed_blocks(make_request("b", [1, 2, 3])) == []
