@@ -1,65 +1,48 @@
-"""Minimal demo: greedy generation with the bundled SmolLM2 through nanoserve's own model.
-
-(A placeholder until the engine lands: one request, a hand-built AttentionMetadata.)
-"""
+"""Offline generation with nanoserve: several chat prompts of different lengths, batched
+continuously. Run `python example.py --trace` to see one line per engine step: requests
+joining mid-batch, prefill chunks sharing steps with decodes, and requests leaving as
+soon as they finish (chapter §3–§4)."""
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoTokenizer
+import argparse
 
-from nanoserve.layers.attention import AttentionMetadata, select_backend
-from nanoserve.models.loader import load_model
-from nanoserve.utils.bundled import default_model_dir
+from nanoserve import LLM, SamplingParams
 
-BLOCK_SIZE, NUM_BLOCKS, MAX_NEW_TOKENS = 16, 16, 48
-
-
-def metadata(start: int, num_new: int) -> AttentionMetadata:
-    """One request whose blocks are 0, 1, 2, ... so that cache slot == position."""
-    table = torch.arange(NUM_BLOCKS, dtype=torch.int32)[None]
-    i32 = dict(dtype=torch.int32)
-    decode = num_new == 1
-    return AttentionMetadata(
-        slot_mapping=torch.arange(start, start + num_new),
-        num_decode_tokens=num_new if decode else 0,
-        decode_context_lens=torch.tensor([start + 1] if decode else [], **i32),
-        decode_block_tables=table if decode else table[:0],
-        num_prefill_tokens=0 if decode else num_new,
-        cu_seqlens_q=torch.tensor([0] if decode else [0, num_new], **i32),
-        cu_seqlens_k=torch.tensor([0] if decode else [0, start + num_new], **i32),
-        max_seqlen_q=0 if decode else num_new,
-        max_seqlen_k=0 if decode else start + num_new,
-        prefill_block_tables=table[:0] if decode else table,
-    )
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Hi!",
+    "Explain, in a short paragraph a ten-year-old would understand, why we have day and night.",
+    "Give me three tips for writing clean Python code.",
+    "What is 7 times 8?",
+]
 
 
-@torch.inference_mode()
 def main() -> None:
-    model_dir = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
-    backend = select_backend(torch.device("cpu"))
-    for attn in model.attention_layers():
-        shape = (NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
-        attn.bind(torch.zeros(shape), torch.zeros(shape), backend)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="HF-style model directory "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--trace", action="store_true", help="print one line per step")
+    args = parser.parse_args()
 
-    question = "What is the capital of France?"
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-        return_dict=False,
-    )
-    new_ids, start = list(ids), 0
-    answer: list[int] = []
-    for _ in range(MAX_NEW_TOKENS):
-        positions = torch.arange(start, start + len(new_ids))
-        hidden = model(torch.tensor(new_ids), positions, metadata(start, len(new_ids)))
-        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        if token == tokenizer.eos_token_id:
-            break
-        answer.append(token)
-        start, new_ids = start + len(new_ids), [token]
-    print(f"Q: {question}\nA: {tokenizer.decode(answer, skip_special_tokens=True)}")
+    # Small max_num_seqs and token budget so the trace shows requests waiting, joining
+    # mid-batch and prefills being chunked; the answers are the same with any settings.
+    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace)
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.trace)  # bar and trace clash
+    for question, out in zip(QUESTIONS, outputs):
+        m = out.metrics
+        print(f"\n### {question}\n{out.text.strip()}")
+        print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}, "
+              f"TTFT {m.ttft * 1000:.0f} ms, E2E {m.e2e:.2f} s]")
+    print(f"\n{llm.stats()}")
 
 
 if __name__ == "__main__":
