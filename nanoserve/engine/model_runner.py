@@ -18,7 +18,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request
-from nanoserve.layers.attention import Attention, AttentionMetadata, select_backend
+from nanoserve.layers.attention import AttentionMetadata, select_backend
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
@@ -36,20 +36,27 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     return torch.device(device), DTYPES[dtype]
 
 
+def resolve_block_size(backend_name: str, block_size: int | None) -> int:
+    """flash-attn's paged KV needs blocks of a multiple of 256 tokens; the torch twins
+    take any size, and small blocks waste less memory on a request's last block."""
+    if backend_name == "flash-attn":
+        if block_size is not None and block_size % 256 != 0:
+            raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
+                             f"got {block_size}")
+        return block_size or 256
+    return block_size or 16
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config)
         # Backend and block size first: their errors must come before loading any weights.
         self.backend = select_backend(self.device, config.attention_backend)
-        default_block_size = 256 if self.backend.name == "flash-attn" else 16
-        self.block_size = config.block_size or default_block_size
-        if self.backend.name == "flash-attn" and self.block_size % 256 != 0:
-            raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
-                             f"got {self.block_size}")
+        self.block_size = resolve_block_size(self.backend.name, config.block_size)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_layers = self.model.attention_layers()
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
@@ -88,6 +95,8 @@ class ModelRunner:
         seq_lens = [self.block_size] * (num_seqs - 1) + [last]
         self.warmup(seq_lens)
         peak = torch.cuda.max_memory_allocated(self.device)
+        for attn in self.attn_layers:  # drop the scratch cache's last references
+            attn.bind(torch.empty(0), torch.empty(0), self.backend)
         del self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
