@@ -28,6 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: True turns CUDA graphs for decode off
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:

@@ -33,7 +33,9 @@ class LLM:
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.config = EngineConfig(model=model, **config)
         self.model_dir = model if model is not None else default_model_dir()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = None  # skip_tokenizer_init: prompts are token ids, text is ""
+        if not self.config.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_runner = ModelRunner(self.config, self.model_dir)
         hf_config = self.model_runner.hf_config
         max_positions = getattr(hf_config, "max_position_embeddings", None)
@@ -51,7 +53,9 @@ class LLM:
         self._ids = itertools.count()
 
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
-        ids = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        ids = [getattr(hf_config, "eos_token_id", None)]
+        if self.tokenizer is not None:
+            ids.append(self.tokenizer.eos_token_id)
         try:
             ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
         except OSError:  # no generation_config.json
@@ -66,6 +70,9 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must have at least 1 token, got ''")
+            if self.tokenizer is None:
+                raise ValueError("prompt must be a list of token ids when skip_tokenizer_init "
+                                 "is True")
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             token_ids, text = list(prompt), None
@@ -184,7 +191,8 @@ class LLM:
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True),
+            text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            if self.tokenizer is not None else "",
             token_ids=req.output_token_ids, finish_reason=req.finish_reason.value,
             metrics=RequestMetrics.from_request(req))
 

@@ -1,0 +1,86 @@
+"""The GPU path, run only where CUDA is available (scripts/gpu_check.py runs it there):
+nanoserve on CUDA (fp32, torch twins or flash-attn) gives HF's greedy tokens, and CUDA
+graph replay of decode steps gives exactly the tokens of eager execution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from nanoserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=1024,
+                                 eos_token_id=None, bos_token_id=None, pad_token_id=None),
+    "qwen3": lambda: Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                 num_hidden_layers=2, num_attention_heads=4, head_dim=64,
+                                 num_key_value_heads=2, max_position_embeddings=1024,
+                                 eos_token_id=None, bos_token_id=None, pad_token_id=None),
+}
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    with torch.no_grad():  # wider logits keep greedy argmax away from near-ties
+        for p in model.parameters():
+            p.mul_(5.0)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model.to("cuda").eval()
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 3, 64, 9)]
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=MAX_TOKENS, min_new_tokens=0, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_greedy_matches_hf(tiny, enforce_eager):
+    path, hf = tiny
+    llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True,
+              enforce_eager=enforce_eager, max_num_seqs=8, num_kv_blocks=64)
+    assert (llm.model_runner.graphs is None) == enforce_eager
+    outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts(), outputs):
+        assert out.token_ids == hf_greedy(hf, prompt)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_cuda_graphs_equal_eager_under_preemption(tiny):
+    path, _ = tiny
+    results = []
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True,
+                  enforce_eager=eager, max_num_seqs=6, num_kv_blocks=14, block_size=16)
+        results.append([o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)])
+        assert llm.stats().num_preemptions > 0
+    assert results[0] == results[1]
+
+
+def test_kv_cache_sized_from_gpu_memory(tiny):
+    path, _ = tiny
+    llm = LLM(path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.05)
+    runner = llm.model_runner
+    kv_bytes = runner.num_kv_blocks * runner.kv_bytes_per_block()
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert 0 < kv_bytes < 0.05 * total
