@@ -1,0 +1,117 @@
+"""bench.py end to end on a tiny random-weight Llama: the numbers it reports must add up."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py is a script
+import bench  # noqa: E402
+
+VOCAB = 256
+LENGTHS = [3, 17, 5, 9, 2, 12, 7]  # skewed, so static batching must waste rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model gains nothing from threads, and on a busy 2-core machine OpenMP threads
+    waiting for each other at every op made this file 15x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A random-weight Llama and a word-level tokenizer ("t0".."t255"), saved like a HF model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", bos_token="t1",
+                                        eos_token="t2")
+    tokenizer.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}"
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def jobs() -> list[bench.Job]:
+    return [bench.Job([3 + (i * 7 + k) % 250 for k in range(5 + 3 * i)], n)
+            for i, n in enumerate(LENGTHS)]
+
+
+def check(r: bench.Result, slots: int) -> None:
+    assert r.useful_tokens == sum(LENGTHS)
+    assert r.num_steps > 0 and r.wall_s > 0
+    assert 0 < r.utilisation <= 1
+    assert r.useful_request_steps >= sum(LENGTHS)  # >= : a chunked prefill takes steps too
+    assert len(r.e2e) == len(LENGTHS) and all(e > 0 for e in r.e2e)
+    assert r.max_num_seqs == slots
+
+
+@pytest.fixture(scope="module")
+def nanoserve_results(tiny_dir):
+    # max_num_batched_tokens 16: prefills get chunked, as on the real workload
+    return {policy: bench.run_nanoserve(tiny_dir, jobs(), policy, max_num_seqs=3,
+                                        max_num_batched_tokens=16)
+            for policy in ("fcfs", "static")}
+
+
+def test_nanoserve_continuous_and_static_add_up(nanoserve_results):
+    cont, static = nanoserve_results["fcfs"], nanoserve_results["static"]
+    for r in (cont, static):
+        check(r, 3)
+        assert r.preemptions == 0 and 0 < r.peak_kv_usage <= 1
+        assert len(r.timeline) == r.num_steps and all(len(row) == 3 for row in r.timeline)
+        # the picture shows exactly the counted work: useful cells > 0, wasted cells < 0
+        assert sum(c > 0 for row in r.timeline for c in row) == r.useful_request_steps
+        assert sum(c < 0 for row in r.timeline for c in row) == r.wasted_request_steps
+    assert cont.wasted_request_steps == 0 and static.wasted_request_steps > 0
+    assert static.utilisation <= cont.utilisation
+    assert static.num_steps > cont.num_steps
+
+
+def test_static_runs_whole_batches(nanoserve_results):
+    """§2: a static batch's slots are all busy (usefully or not) until its longest is done."""
+    static = nanoserve_results["static"]
+    first_batch = static.timeline[:max(LENGTHS[:3]) + 1]
+    assert all(sum(c != 0 for c in row) == 3 for row in first_batch[1:max(LENGTHS[:3])])
+
+
+def test_hf_static_adds_up(tiny_dir):
+    r = bench.run_hf_static(tiny_dir, jobs(), max_num_seqs=3)
+    check(r, 3)
+    batches = [LENGTHS[i:i + 3] for i in range(0, len(LENGTHS), 3)]
+    assert r.num_steps == sum(max(b) for b in batches)
+    assert r.wasted_request_steps == sum(max(b) * len(b) - sum(b) for b in batches)
+
+
+def test_assign_slots_reuses_the_lowest_free_slot():
+    steps = [[(0, True), (1, True)], [(1, True)], [(2, True), (1, False)]]
+    assert bench.assign_slots(steps, 2) == [[1, 2], [0, 2], [3, -2]]
+
+
+def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "longtail_lengths", lambda rng, n, quick: LENGTHS[:n])
+    out = tmp_path / "r.json"
+    bench.main(["--model", tiny_dir, "--workload", "longtail", "--quick", "--num-requests", "6",
+                "--max-num-seqs", "3", "--systems", "continuous,static", "--out", str(out),
+                "--png", str(tmp_path / "t.png")])
+    data = json.loads(out.read_text())
+    assert [r["system"] for r in data["results"]] == ["continuous", "static"]
+    assert data["ratios"][0].startswith("continuous / static")
+    text = capsys.readouterr().out
+    assert "| continuous |" in text and "slot  0 |" in text
