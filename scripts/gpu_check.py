@@ -51,7 +51,7 @@ def run_tests() -> str:
     tests = [t for t in TESTS if os.path.exists(t)]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *tests], capture_output=True, text=True)
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    print(proc.stdout[-6000:], proc.stderr[-2000:])
     return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
 
 

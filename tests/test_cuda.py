@@ -4,6 +4,8 @@ graph replay of decode steps gives exactly the tokens of eager execution."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -56,7 +58,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_greedy_matches_hf(tiny, enforce_eager):
     path, hf = tiny
-    llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True,
+    llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=512,
               enforce_eager=enforce_eager, max_num_seqs=8, num_kv_blocks=64)
     assert (llm.model_runner.graphs is None) == enforce_eager
     outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
@@ -70,7 +72,7 @@ def test_cuda_graphs_equal_eager_under_preemption(tiny):
     path, _ = tiny
     results = []
     for eager in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True,
+        llm = LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=512,
                   enforce_eager=eager, max_num_seqs=6, num_kv_blocks=14, block_size=16)
         results.append([o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)])
         assert llm.stats().num_preemptions > 0
@@ -79,7 +81,10 @@ def test_cuda_graphs_equal_eager_under_preemption(tiny):
 
 def test_kv_cache_sized_from_gpu_memory(tiny):
     path, _ = tiny
-    llm = LLM(path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.05)
+    gc.collect()  # earlier tests' engines count as this process's memory until collected
+    torch.cuda.empty_cache()
+    llm = LLM(path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.05,
+              max_model_len=512)
     runner = llm.model_runner
     kv_bytes = runner.num_kv_blocks * runner.kv_bytes_per_block()
     total = torch.cuda.get_device_properties(0).total_memory

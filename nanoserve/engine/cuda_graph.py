@@ -10,14 +10,10 @@ belongs to no request, and read one key from it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from nanoserve.engine.model_runner import ModelRunner
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -55,11 +51,12 @@ def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: At
 class CUDAGraphRunner:
     """Captures the model's decode forward at each ladder size; replays padded batches."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
-        self.runner = runner
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks: int,
+                 padding_block: int, block_size: int) -> None:
+        self.model, self.max_blocks = model, max_blocks
+        self.padding_block, self.block_size = padding_block, block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.max_blocks = runner.max_blocks_per_seq
-        max_bs, device = self.sizes[-1], runner.device
+        max_bs, device = self.sizes[-1], next(model.parameters()).device
         # Static buffers: a graph reads its inputs from fixed addresses.
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -71,18 +68,18 @@ class CUDAGraphRunner:
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        empty = torch.zeros(1, dtype=torch.int32, device=self.runner.device)
+        empty = torch.zeros(1, dtype=torch.int32, device=self.input_ids.device)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
             decode_context_lens=self.context_lens[:bs], decode_block_tables=self.block_tables[:bs],
             num_prefill_tokens=0, cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0,
-            max_seqlen_k=0, prefill_block_tables=empty.view(0, 1))
+            max_seqlen_k=0, prefill_block_tables=empty.view(1, 1)[:0])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        model, pool = self.runner.model, None
-        self.slot_mapping.fill_(self.runner.padding_slot)
-        self.block_tables.fill_(self.runner.num_kv_blocks)  # the padding block
+        model, pool = self.model, None
+        self.slot_mapping.fill_(self.padding_block * self.block_size)
+        self.block_tables.fill_(self.padding_block)
         for bs in reversed(self.sizes):  # largest first, so smaller ones reuse its pool
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
             model(*args)  # warm up kernels (and lazy allocations) outside the capture
@@ -100,8 +97,8 @@ class CUDAGraphRunner:
             meta: AttentionMetadata) -> torch.Tensor:
         n = meta.num_decode_tokens
         bs = padded_batch_size(n, self.sizes)
-        padded = pad_decode_inputs(input_ids, positions, meta, bs, self.runner.num_kv_blocks,
-                                   self.runner.block_size, self.max_blocks)
+        padded = pad_decode_inputs(input_ids, positions, meta, bs, self.padding_block,
+                                   self.block_size, self.max_blocks)
         for buffer, value in zip((self.input_ids, self.positions, self.slot_mapping,
                                   self.context_lens, self.block_tables), padded):
             buffer[:bs].copy_(value)

@@ -63,7 +63,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = CUDAGraphRunner(self, config.max_num_seqs)
+            self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
+                                          padding_block=self.num_kv_blocks,
+                                          block_size=self.block_size)
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -108,7 +110,6 @@ class ModelRunner:
         last block is a sink for padding rows (CUDA graphs): it belongs to no request."""
         num_blocks = num_blocks or self.num_kv_blocks
         layer = self.attn_layers[0]
-        self.padding_slot = num_blocks * self.block_size
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
                                     layer.num_kv_heads, layer.head_dim,
                                     dtype=self.dtype, device=self.device)
