@@ -212,9 +212,11 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a waiting, running or preempted request and free its blocks. Unknown or
-        already finished ids are a no-op (returns None), as in vLLM."""
+        already finished ids are a no-op (returns None), as in vLLM. A static-policy row
+        that finished but still waits for its batch (its output not out yet) counts as
+        running: it is aborted too, so its blocks don't outlive it (e.g. a failed generate)."""
         for req in self.running:
-            if req.request_id == request_id and not req.is_finished:
+            if req.request_id == request_id:  # finished only if a static idle row
                 self.running.remove(req)
                 self.block_manager.free(req)
                 return self._mark_aborted(req)
