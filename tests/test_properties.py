@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis) of the Scheduler + BlockManager on the FakeEngine.
 
 Random workloads — prompt lengths 1..40 built from a few shared prefixes (so prefix caching
-hits), outputs 1..30 tokens, priorities, arrivals between steps, aborts at random steps —
+hits), outputs 1..30 tokens, 1..12 requests, priorities, arrivals between steps, aborts at random steps —
 run under random engine settings: tiny KV pools, block sizes 1..8, token budgets 1..64,
 max_num_seqs 1..8, fcfs/priority/static, chunked prefill on/off, prefix caching on/off.
 
@@ -72,7 +72,7 @@ def workloads(draw):
     prefixes = draw(st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=24),
                              min_size=1, max_size=3))
     requests = []
-    for _ in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 12))):
         prefix = draw(st.sampled_from(prefixes))[:39]
         suffix = draw(st.lists(st.integers(0, 998), min_size=1, max_size=40 - len(prefix)))
         requests.append(dict(prompt=prefix + suffix, max_tokens=draw(st.integers(1, 30)),
