@@ -55,6 +55,8 @@ class EngineConfig:
              f"one of {SCHEDULING_POLICIES}")
         need(self.attention_backend in ("auto", "flash-attn", "torch"), "attention_backend",
              "one of ('auto', 'flash-attn', 'torch')")
+        need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
+             "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
              "one of ('auto', 'float32', 'float16', 'bfloat16')")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -278,3 +278,18 @@ def test_abort_finished_static_row_before_its_batch_ends():
     assert outputs[a].finish_reason == "abort" and len(outputs[a].token_ids) == 2
     assert outputs[b].finish_reason == "length" and len(outputs[b].token_ids) == 12
     assert all_free(llm)
+
+
+def test_generate_keeps_outputs_of_requests_added_before_it(reference):
+    llm = small_llm()
+    prompts = list(reference)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    early = llm.add_request(list(prompts[0]), short)  # finishes while generate() runs
+    outputs = llm.generate([list(prompts[1])], GREEDY, use_tqdm=False)
+    assert outputs[0].token_ids == reference[prompts[1]]
+    stray = []
+    while llm.has_unfinished_requests():  # the early request's output is not lost
+        stray += llm.step()
+    assert [o.request_id for o in stray] == [early]
+    assert stray[0].token_ids == reference[prompts[0]][:3]
+    assert all_free(llm)

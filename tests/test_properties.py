@@ -1,9 +1,10 @@
 """Property-based tests (hypothesis) of the Scheduler + BlockManager on the FakeEngine.
 
 Random workloads — prompt lengths 1..40 built from a few shared prefixes (so prefix caching
-hits), outputs 1..30 tokens, 1..12 requests, priorities, arrivals between steps, aborts at random steps —
-run under random engine settings: tiny KV pools, block sizes 1..8, token budgets 1..64,
-max_num_seqs 1..8, fcfs/priority/static, chunked prefill on/off, prefix caching on/off.
+hits), outputs 1..30 tokens, 1..12 requests, priorities, arrivals between steps, aborts at
+random steps — run under random engine settings: tiny KV pools, block sizes 1..8, token
+budgets 1..64, max_num_seqs 1..8, fcfs/priority/static, chunked prefill and prefix caching
+on/off.
 
 After EVERY step the block accounting must be exact (see `check_invariants`); at the end
 every request that was not aborted has exactly the tokens the FakeRunner's pure function

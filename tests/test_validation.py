@@ -114,7 +114,7 @@ def engine_state(llm: LLM) -> tuple:
     s, bm = llm.scheduler, llm.scheduler.block_manager
     return (bm.num_free_blocks, [b.ref_count for b in bm.blocks], dict(bm.cached_blocks),
             [r.request_id for r in s.waiting], [r.request_id for r in s.running],
-            len(llm._aborted), llm.num_steps)
+            len(llm._pending), llm.num_steps)
 
 
 @pytest.mark.parametrize("case", REQUEST_CASES, ids=[c[0] for c in REQUEST_CASES])

@@ -49,7 +49,7 @@ class LLM:
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
-        self._aborted: list[Request] = []  # returned by the next step()
+        self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
         self._ids = itertools.count()
 
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
@@ -114,11 +114,11 @@ class LLM:
         "abort") comes from the next step(). Unknown or finished ids: no-op, False."""
         req = self.scheduler.abort(request_id)
         if req is not None:
-            self._aborted.append(req)
+            self._pending.append(self._output(req))
         return req is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -137,13 +137,14 @@ class LLM:
         self.last_scheduler_output = out
         if self.trace:
             print(self._trace_line(out, finished), file=sys.stderr)
-        finished, self._aborted = self._aborted + finished, []
-        return [self._output(r) for r in finished]
+        outputs, self._pending = self._pending, []
+        return outputs + [self._output(r) for r in finished]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for all prompts; outputs come back in input order."""
+        """Generate for all prompts; outputs come back in input order. Outputs of requests
+        added earlier with add_request() that finish meanwhile are kept for the next step()."""
         if isinstance(prompts, str) or (
                 isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -162,15 +163,19 @@ class LLM:
             self.scheduler.add_request(req)
         mine = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
+        remaining, strays = len(requests), []
         bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         tokens = {"prefill": 0, "decode": 0}
         start = time.perf_counter()
         try:
-            while any(r is None for r in results):
+            while remaining > 0:
                 for output in self.step():
-                    if output.request_id in mine:
-                        results[mine[output.request_id]] = output
-                        bar.update(1)
+                    if output.request_id not in mine:
+                        strays.append(output)
+                        continue
+                    results[mine[output.request_id]] = output
+                    remaining -= 1
+                    bar.update(1)
                 self._count_tokens(tokens)
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {tokens['prefill'] / elapsed:.0f} tok/s, "
@@ -181,6 +186,7 @@ class LLM:
             raise
         finally:
             bar.close()
+            self._pending += strays
         return results
 
     def _count_tokens(self, tokens: dict[str, int]) -> None:
