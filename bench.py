@@ -519,12 +519,13 @@ def draw_png(results: list[Result], path: Path, title: str) -> bool:
         ax.set_title(f"{r.system}: {len(r.timeline)} steps, slot utilisation "
                      f"{r.utilisation:.0%}, {r.wall_s:.1f} s", fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("engine step")
-    axes[0, 0].legend(handles=[Patch(facecolor=cmap(0), label="computing (one colour per request)"),
-                               Patch(facecolor=cmap(0), alpha=0.35, hatch="///",
-                                     label="wasted: request already finished")],
-                      loc="upper right", fontsize=8)
+    fig.legend(handles=[Patch(facecolor=cmap(0), label="computing (one colour per request)"),
+                        Patch(facecolor=cmap(0), alpha=0.35, hatch="///",
+                              label="wasted: computing for a finished request"),
+                        Patch(facecolor="white", edgecolor="grey", label="empty slot")],
+               loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -587,6 +588,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Poisson arrivals (requests/s); default: all at t=0. hf-static "
                         "ignores it (static batches of whatever is there at t=0)")
     p.add_argument("--quick", action="store_true", help="a smaller workload (~1 min)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON results (default bench_results/<workload>.json)")
     p.add_argument("--png", type=Path, default=None,
@@ -607,6 +610,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     from nanoserve.utils.bundled import default_model_dir
 
     hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = args.model or default_model_dir()
     wl = make_workload(args.workload, AutoTokenizer.from_pretrained(model_dir),
                        args.num_requests, args.seed, args.quick, args.arrival_rate,
@@ -614,11 +619,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"workload {wl.name}: {wl.description}; max_num_seqs {wl.max_num_seqs}; "
           f"prompt tokens {sum(len(j.prompt_ids) for j in wl.jobs)}; dtype {args.dtype}; "
           f"torch threads {torch.get_num_threads()}")
-    results = []
+    results, loads = [], {}
     for system in args.systems:
         print(f"running {system} ...", end=" ", flush=True)
         results.append(run_system(system, model_dir, wl, args))
-        print(f"{results[-1].wall_s:.1f} s", flush=True)
+        # 1-minute load average, ours included: well above 1 + the threads we use means
+        # someone else was computing too, and the timings are not trustworthy.
+        loads[system] = os.getloadavg()[0]
+        print(f"{results[-1].wall_s:.1f} s (load average {loads[system]:.1f})", flush=True)
 
     print()
     print(throughput_table(results))
@@ -646,7 +654,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
             "output_lengths": [j.max_tokens for j in wl.jobs],
             "prompt_lengths": [len(j.prompt_ids) for j in wl.jobs],
             "arrivals": [j.arrival for j in wl.jobs]},
-        "best_utilisation": best, "results": [r.summary() for r in results],
+        "load_average_after": loads, "best_utilisation": best,
+        "results": [r.summary() for r in results],
         "ratios": ratio_lines(results), "timelines": {r.system: r.timeline for r in results
                                                       if r.timeline}}, indent=1))
     print(f"wrote {out}")
