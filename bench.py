@@ -30,6 +30,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -524,7 +525,7 @@ def draw_png(results: list[Result], path: Path, title: str) -> bool:
                               label="wasted: computing for a finished request"),
                         Patch(facecolor="white", edgecolor="grey", label="empty slot")],
                loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print()
     best = best_utilisation(wl.jobs, wl.max_num_seqs)
     print(f"best possible slot utilisation for this workload: {best:.1%} "
-          "(the longest request alone needs max_tokens steps)")
+          "(bound: no fewer steps than the longest request, nor than all work / slots)")
     for line in ratio_lines(results):
         print(line)
     for r in results:
@@ -660,7 +661,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                                                       if r.timeline}}, indent=1))
     print(f"wrote {out}")
     png = args.png or Path("bench_results") / f"{wl.name}.png"
-    if draw_png(results, png, f"{wl.name}: {wl.description}"[:120]):
+    if draw_png(results, png, f"{wl.name}: {wl.description}"):
         print(f"wrote {png}")
     return results
 
