@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.engine.cuda_graph import graph_batch_sizes, pad_decode_inputs, padded_batch_size
+from nanoserve.engine import cuda_graph
+from nanoserve.engine.cuda_graph import (
+    CUDAGraphRunner,
+    graph_batch_sizes,
+    pad_decode_inputs,
+    padded_batch_size,
+)
 from nanoserve.engine.model_runner import resolve_block_size
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 
@@ -63,3 +69,56 @@ def test_pad_decode_inputs_points_padding_rows_at_the_padding_block():
     assert tables.shape == (bs, max_blocks)
     assert tables[0].tolist() == [1, 2, 0, padding_block, padding_block]
     assert (tables[n:] == padding_block).all()
+
+
+class ReplayEagerly:
+    """A CPU stand-in for a captured CUDA graph: `replay()` recomputes the model on the
+    runner's static buffers, which is what the real graph's kernels do. Everything around
+    the capture (buffer plumbing, padding rows, the padding block) is then real."""
+
+    def __init__(self, graphs: CUDAGraphRunner, bs: int) -> None:
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self) -> None:
+        g, bs = self.graphs, self.bs
+        g.outputs[bs].copy_(g.model(g.input_ids[:bs], g.positions[:bs], g._meta(bs)))
+
+
+def test_graph_runner_plumbing_matches_eager_on_cpu(monkeypatch):
+    from tiny_model import tiny_model_dir
+
+    from nanoserve import LLM, SamplingParams
+
+    def capture_stand_in(self: CUDAGraphRunner) -> None:
+        self.slot_mapping.fill_(self.padding_block * self.block_size)
+        self.block_tables.fill_(self.padding_block)
+        hidden = self.model.config.hidden_size
+        for bs in self.sizes:
+            self.outputs[bs] = torch.empty(bs, hidden)
+            self.graphs[bs] = ReplayEagerly(self, bs)
+
+    monkeypatch.setattr(CUDAGraphRunner, "_capture_all", capture_stand_in)
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    results = []
+    for use_graphs in (False, True):
+        llm = LLM(tiny_model_dir(), num_kv_blocks=24, block_size=4, max_num_seqs=5)
+        runner = llm.model_runner
+        if use_graphs:  # on CPU the engine never builds one; attach it by hand
+            runner.graphs = CUDAGraphRunner(runner.model, 5, runner.max_blocks_per_seq,
+                                            padding_block=runner.num_kv_blocks,
+                                            block_size=runner.block_size)
+            sizes = []  # (rows, captured size) of every replay
+            monkeypatch.setattr(cuda_graph, "padded_batch_size", _recording(sizes))
+        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.stats().num_preemptions > 0  # padding rows must not disturb resumed KV
+    assert results[0] == results[1]
+    assert any(n < bs for n, bs in sizes) and any(n == bs for n, bs in sizes)
+
+
+def _recording(seen: list[tuple[int, int]]):
+    def padded(num_rows: int, sizes: list[int]) -> int | None:
+        bs = padded_batch_size(num_rows, sizes)
+        seen.append((num_rows, bs))
+        return bs
+    return padded
