@@ -100,11 +100,14 @@ def chapter_lengths(quick: bool) -> list[int]:
     return [max(2, n // 5) for n in lengths] if quick else lengths
 
 
+QUICK_MAX_TOKENS = 96  # --quick: 16 requests in 8 slots, outputs clipped to 96 tokens
+
+
 def longtail_lengths(rng: np.random.Generator, n: int, quick: bool) -> list[int]:
     """Long-tailed output lengths, like real chat traffic (most answers short, a few very
     long): lognormal with median 32 and sigma 1.2, rounded and clipped to [8, 512]
-    (--quick: [8, 128]). Mean ~ 65, p90 ~ 150, max of 64 draws ~ 400-512."""
-    hi = 128 if quick else 512
+    (--quick: [8, 96]). Mean ~ 65, p90 ~ 150, max of 64 draws ~ 400-512."""
+    hi = QUICK_MAX_TOKENS if quick else 512
     return np.clip(np.round(rng.lognormal(math.log(32), 1.2, n)), 8, hi).astype(int).tolist()
 
 
@@ -116,12 +119,12 @@ def make_workload(name: str, tokenizer, num_requests: int, seed: int, quick: boo
         words = rng.integers(10, 40, len(lengths))
         seqs, desc = max_num_seqs or 8, "§2: 8 requests, output lengths " + str(lengths)
     else:
-        n = min(num_requests, 24) if quick else num_requests
+        n = min(num_requests, 16) if quick else num_requests
         lengths = longtail_lengths(rng, n, quick)
         words = rng.integers(5, 120, n)  # prompts of ~40..200 tokens with the template
-        seqs = max_num_seqs or 16
+        seqs = max_num_seqs or (8 if quick else 16)
         desc = (f"{n} requests, output lengths lognormal(median 32, sigma 1.2) clipped to "
-                f"[8, {128 if quick else 512}] (seed {seed}): sum {sum(lengths)}, "
+                f"[8, {QUICK_MAX_TOKENS if quick else 512}] (seed {seed}): sum {sum(lengths)}, "
                 f"mean {np.mean(lengths):.0f}, max {max(lengths)}")
     arrivals = poisson_arrivals(rng, len(lengths), arrival_rate)
     if arrival_rate:
