@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoserve.layers.attention import ATTENTION_BACKENDS
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
 
@@ -53,8 +55,8 @@ class EngineConfig:
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
              f"one of {SCHEDULING_POLICIES}")
-        need(self.attention_backend in ("auto", "flash-attn", "torch"), "attention_backend",
-             "one of ('auto', 'flash-attn', 'torch')")
+        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+             f"one of {ATTENTION_BACKENDS}")
         need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
