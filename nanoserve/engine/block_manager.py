@@ -77,9 +77,13 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once, when its request is admitted: a request that waits for
+        room is looked up every step, and counting each try would skew the hit rate."""
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:

@@ -121,6 +121,8 @@ class Scheduler:
 
     def _start_running(self, req: Request, num_cached_blocks: int, out: SchedulerOutput) -> None:
         req.num_computed_tokens = num_cached_blocks * self.block_manager.block_size
+        if self.config.enable_prefix_caching:
+            self.block_manager.record_prefix_lookup(req.num_tokens, req.num_computed_tokens)
         if req.status == RequestStatus.WAITING:
             req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
