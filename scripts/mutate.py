@@ -1,0 +1,327 @@
+"""Mutation testing: do the tests notice when a rule of the chapter is broken?
+
+Each mutant below is one small, realistic bug: an exact snippet of nanoserve's source, its
+replacement, what it breaks and the rule (chapter section or sampling knob) it violates.
+They are planted one at a time into a temporary copy of the working tree (the tree itself
+is never touched) and the fast tests run against each; a mutant is "killed" when a test
+fails. A mutant whose snippet no longer occurs in the source is reported "stale": update
+its snippet after the code it targets changes.
+
+    python scripts/mutate.py            # every mutant against the fast tests (minutes)
+    python scripts/mutate.py --full     # then the whole suite, slow tests too, on survivors
+    python scripts/mutate.py --list     # the mutants and their rules
+    python scripts/mutate.py top_p      # only mutants whose name contains "top_p"
+
+Run it before a change to the scheduler, block manager or sampler is called done. Hypothesis
+runs derandomized (profile "mutate" in tests/conftest.py), so results are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Cheapest and most pointed first: with -x the first failing test ends the run.
+FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
+              "tests/test_stop_tokens.py", "tests/test_properties.py", "tests/test_abort.py",
+              "tests/test_validation.py"]
+PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
+
+SCHED = "nanoserve/engine/scheduler.py"
+BM = "nanoserve/engine/block_manager.py"
+RUNNER = "nanoserve/engine/model_runner.py"
+SAMPLER = "nanoserve/layers/sampler.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    description: str
+    rule: str
+
+
+MUTANTS = [
+    # -- §6.2: the order of decisions in one schedule step --------------------------------
+    Mutant("admit_after_preempt", SCHED,
+           "while not out.preempted and self.waiting and token_budget > 0:",
+           "while self.waiting and token_budget > 0:",
+           "waiting requests admitted in a step that preempted",
+           "§6.2: admit only if nothing was preempted this step"),
+    Mutant("budget_not_charged_admitted", SCHED,
+           "            self._schedule(req, num_new, out)\n            token_budget -= num_new\n"
+           "        return out",
+           "            self._schedule(req, num_new, out)\n        return out",
+           "admitted chunks do not spend the token budget",
+           "§6.2: every scheduled token is charged to token_budget"),
+    Mutant("budget_not_charged_running", SCHED,
+           "            self._schedule(req, num_new, out)\n            token_budget -= num_new\n\n",
+           "            self._schedule(req, num_new, out)\n\n",
+           "running requests' tokens do not spend the token budget",
+           "§6.2: every scheduled token is charged to token_budget"),
+    Mutant("max_num_seqs_off_by_one", SCHED,
+           "return len(self.running) < self.config.max_num_seqs",
+           "return len(self.running) <= self.config.max_num_seqs",
+           "one request more than max_num_seqs runs",
+           "§6.2/§7: running <= max_num_seqs"),
+    Mutant("admitted_joins_front_of_running", SCHED,
+           "        self.running.append(req)\n",
+           "        self.running.appendleft(req)\n",
+           "a newly admitted request is served before the requests already running",
+           "§6.2: running requests first, in the order they joined"),
+    Mutant("long_prefill_threshold_ignored", SCHED,
+           "cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens",
+           "cap = self.config.max_num_batched_tokens",
+           "long_prefill_token_threshold does not cap a prefill chunk",
+           "§7: chunked prefill caps each chunk"),
+    # -- §6.3: preemption by recompute ----------------------------------------------------
+    Mutant("fcfs_victim_first_running", SCHED,
+           "return self.running[-1]", "return self.running[0]",
+           "FCFS preempts the first running request instead of the last",
+           "§6.3: FCFS evicts the request that joined running last"),
+    Mutant("priority_victim_ignores_arrival", SCHED,
+           "key=lambda r: (r.priority, r.arrival_time))", "key=lambda r: r.priority)",
+           "PRIORITY victim: ties on priority not broken by the latest arrival",
+           "§6.3: PRIORITY evicts the largest (priority, arrival_time)"),
+    Mutant("preempted_to_back_of_waiting", SCHED,
+           "self.waiting.push_front(victim)", "self.waiting.push(victim)",
+           "a preempted request queues behind requests that never ran",
+           "§6.3: a preempted request goes back to the front of waiting"),
+    Mutant("preempt_keeps_num_computed", SCHED,
+           "        victim.num_computed_tokens = 0\n", "",
+           "a preempted request keeps its num_computed_tokens",
+           "§6.3: preemption by recompute resets num_computed_tokens to 0"),
+    Mutant("preempt_keeps_blocks", SCHED,
+           "        self.running.remove(victim)\n        self.block_manager.free(victim)\n",
+           "        self.running.remove(victim)\n        victim.block_table = []\n",
+           "a preempted request's blocks are never returned to the pool",
+           "§6.3: preemption frees the victim's KV blocks"),
+    # -- §3/§4: processing the step's output ----------------------------------------------
+    Mutant("stop_token_ids_ignored", SCHED,
+           "if last in params.stop_token_ids:", "if False:",
+           "stop_token_ids never stop a request",
+           "§4: stop on a stop token"),
+    Mutant("ignore_eos_ignored", SCHED,
+           "if not params.ignore_eos and last in req.eos_token_ids:",
+           "if last in req.eos_token_ids:",
+           "ignore_eos=True still stops at EOS",
+           "§4: EOS stops unless ignore_eos"),
+    Mutant("max_tokens_off_by_one", SCHED,
+           "req.num_output_tokens >= params.max_tokens",
+           "req.num_output_tokens > params.max_tokens",
+           "one token more than max_tokens",
+           "§4: stop at max_tokens"),
+    Mutant("finished_blocks_not_freed", SCHED,
+           "        for req in finished:\n            self.block_manager.free(req)\n",
+           "        for req in finished:\n            req.block_table = []\n",
+           "a finished request's blocks are not returned",
+           "§3: a finished request frees its blocks at once"),
+    Mutant("abort_keeps_blocks", SCHED,
+           "                self.running.remove(req)\n"
+           "                self.block_manager.free(req)\n",
+           "                self.running.remove(req)\n",
+           "aborting a running request leaks its blocks",
+           "§3/§5: a request that leaves frees its blocks"),
+    # -- §5: the block manager and prefix caching -----------------------------------------
+    Mutant("cache_uncomputed_full_blocks", BM,
+           "num_full = req.num_computed_tokens // self.block_size",
+           "num_full = min(req.num_tokens, len(req.block_table) * self.block_size) "
+           "// self.block_size",
+           "cache_full_blocks registers full blocks whose KV is not computed yet",
+           "§5: a hash must not promise KV that was never written"),
+    Mutant("hash_not_chained", BM,
+           "return hash((parent_hash, token_ids))", "return hash(token_ids)",
+           "a block's hash ignores its parent: equal blocks after different prefixes collide",
+           "§5: block hashes are chained from the parent's hash"),
+    Mutant("hit_not_verified", BM,
+           "if block_id is None or self.blocks[block_id].token_ids != tokens:",
+           "if block_id is None:",
+           "a prefix-cache hit is not checked against the stored token ids",
+           "§5: hash collisions are misses, not wrong hits"),
+    Mutant("last_token_from_cache", BM,
+           "num_full = (req.num_tokens - 1) // self.block_size",
+           "num_full = req.num_tokens // self.block_size",
+           "a fully cached prompt takes its last token from the cache (no logits to sample)",
+           "§5: the last token is always computed"),
+    Mutant("evicted_block_keeps_hash", BM,
+           "            block.block_hash, block.token_ids = None, ()\n", "",
+           "a reused (evicted) block keeps its old hash: stale KV is found as a hit",
+           "§5: eviction forgets the block's prefix"),
+    Mutant("eviction_takes_newest", BM,
+           "block_id, _ = self.free_blocks.popitem(last=False)",
+           "block_id, _ = self.free_blocks.popitem(last=True)",
+           "allocation takes the most recently freed block (evicts the hottest prefix)",
+           "§5: least recently freed cached blocks are evicted first"),
+    Mutant("uncached_blocks_not_taken_first", BM,
+           "                if block.block_hash is None:\n"
+           "                    self.free_blocks.move_to_end(block_id, last=False)\n", "",
+           "freed blocks holding nothing reusable are not taken before cached ones",
+           "§5: evict cached prefixes only when no empty block is left"),
+    Mutant("revived_blocks_counted_as_room", BM,
+           "num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)",
+           "num_revived = 0",
+           "cached blocks leaving the free pool are also counted as room for new blocks",
+           "§5: allocation is all or nothing, never over the pool"),
+    Mutant("shared_block_refcount_reset", BM,
+           "            block.ref_count += 1\n", "            block.ref_count = 1\n",
+           "a shared prefix block's ref_count is reset instead of incremented",
+           "§5: a shared block is freed only when its last user leaves"),
+    # -- §5: slots and block tables the model reads (prepare_inputs) ----------------------
+    Mutant("slot_mapping_off_by_one", RUNNER,
+           "req.block_table[p // block_size] * block_size + p % block_size",
+           "req.block_table[p // block_size] * block_size + (p + 1) % block_size",
+           "each token's K/V is written one slot off",
+           "§5: slot = block_table[pos // block_size] * block_size + pos % block_size"),
+    Mutant("slot_in_last_block", RUNNER,
+           "req.block_table[p // block_size] * block_size + p % block_size",
+           "req.block_table[-1] * block_size + p % block_size",
+           "every token is written into the request's last block",
+           "§5: each position lives in its own block of the block table"),
+    Mutant("context_len_off_by_one", RUNNER,
+           "decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows]),",
+           "decode_context_lens=to_device([start for _, start, _, _ in decode_rows]),",
+           "a decode reads one token less than its context",
+           "§5: a decode attends to all its computed tokens and itself"),
+    # -- sampling knobs -------------------------------------------------------------------
+    Mutant("top_p_cumsum_includes_token", SAMPLER,
+           "mass_before = probs.cumsum(dim=-1) - probs", "mass_before = probs.cumsum(dim=-1)",
+           "top_p drops the token that crosses the mass",
+           "top_p keeps the smallest prefix reaching the mass"),
+    Mutant("top_p_tie_kept", SAMPLER,
+           "probs.masked_fill(mass_before >= top_p, 0.0)",
+           "probs.masked_fill(mass_before > top_p, 0.0)",
+           "top_p keeps one token more when the mass is reached exactly",
+           "top_p keeps the smallest prefix reaching the mass"),
+    Mutant("top_k_keeps_k_plus_1", SAMPLER,
+           "rank >= top_k", "rank > top_k",
+           "top_k keeps k + 1 tokens", "top_k keeps exactly k"),
+    Mutant("temperature_ignored", SAMPLER,
+           "(logits / temperature).sort(", "logits.sort(",
+           "temperature does not scale the logits", "temperature sharpens / flattens"),
+    Mutant("seed_generator_ignored", SAMPLER,
+           "generators[i] or self.generator", "self.generator",
+           "a seeded request draws from the engine's generator",
+           "seed: a request's draws are reproducible, whatever its batch"),
+    Mutant("sampled_row_mixed_up", SAMPLER,
+           "token_ids[i] = int(order[j, choice])", "token_ids[i] = int(order[i, choice])",
+           "a sampled row takes its token id from another row's order",
+           "each row samples from its own logits"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked, not ignored files)."""
+    names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, names):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def run_pytest(tree: Path, tests: list[str], extra: list[str], timeout: float
+               ) -> tuple[str, str, float]:
+    """Returns (outcome, first failing test, seconds); outcome is "killed", "survived",
+    "timeout" (counted as killed: a livelock is caught) or "error"."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
+           "OMP_NUM_THREADS": "1", "NANOSERVE_HYPOTHESIS_PROFILE": "mutate"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *PYTEST, *extra, *tests],
+                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"(no result in {timeout:.0f} s)", time.monotonic() - start
+    seconds = time.monotonic() - start
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    if proc.returncode == 0:
+        return "survived", "", seconds
+    if failed:
+        return "killed", failed[0], seconds
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    return "error", " / ".join(tail), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="only mutants whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--full", action="store_true",
+                        help="run the whole suite (slow tests too) against fast-test survivors")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = parser.parse_args()
+    mutants = [m for m in MUTANTS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for i, m in enumerate(mutants, 1):
+            print(f"{i:2d}. {m.name}  ({m.file})\n    breaks: {m.description}\n"
+                  f"    rule:   {m.rule}")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="nanoserve-mutate-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        tests = [t for t in FAST_TESTS if (tree / t).is_file()]
+        fast = ["-m", "not slow"]
+        outcome, detail, secs = run_pytest(tree, tests, fast, args.timeout)
+        if outcome != "survived":
+            print(f"the fast tests fail without any mutant ({detail}); fix that first")
+            return 2
+        print(f"fast tests, no mutant: pass in {secs:.0f} s ({', '.join(tests)})\n")
+        rows = []
+        for i, m in enumerate(mutants, 1):
+            path = tree / m.file
+            source = path.read_text()
+            count = source.count(m.original)
+            if count != 1:
+                why = "snippet not found" if count == 0 else f"snippet found {count} times"
+                rows.append((m, "stale", why, 0.0))
+            else:
+                path.write_text(source.replace(m.original, m.replacement))
+                try:
+                    outcome, detail, secs = run_pytest(tree, tests, fast, args.timeout)
+                    if outcome == "survived" and args.full:
+                        outcome, detail, more = run_pytest(tree, ["tests"], [], args.timeout)
+                        secs += more
+                        if outcome in ("killed", "timeout"):
+                            outcome, detail = f"{outcome} (full suite)", detail
+                finally:
+                    path.write_text(source)
+                rows.append((m, outcome, detail, secs))
+            _, outcome, detail, secs = rows[-1]
+            print(f"[{i:2d}/{len(mutants)}] {m.name:34s} {outcome:20s} {secs:5.0f} s  {detail}",
+                  flush=True)
+
+    print_table(rows)
+    live = [r for r in rows if r[1] != "stale"]
+    killed_fast = sum(r[1] in ("killed", "timeout") for r in live)
+    killed_all = sum(r[1] != "survived" and r[1] != "error" for r in live)
+    print(f"\nscore (fast tests): {killed_fast}/{len(live)} killed "
+          f"({100 * killed_fast / max(len(live), 1):.0f}%)")
+    if args.full:
+        print(f"score (whole suite): {killed_all}/{len(live)} killed")
+    stale = [r[0].name for r in rows if r[1] == "stale"]
+    if stale:
+        print(f"stale (update their snippets): {', '.join(stale)}")
+    return 0 if all(r[1] not in ("survived", "error") for r in live) else 1
+
+
+def print_table(rows: list) -> None:
+    print("\n| # | mutant | file | rule | result | killed by |\n|---|---|---|---|---|---|")
+    for i, (m, outcome, detail, _) in enumerate(rows, 1):
+        print(f"| {i} | {m.name} | {Path(m.file).name} | {m.rule} | {outcome} | "
+              f"{detail.replace('|', '/')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
