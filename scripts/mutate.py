@@ -22,18 +22,23 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Cheapest and most pointed first: with -x the first failing test ends the run.
+# Model-free tests first, then those that build a tiny LLM: with -x the first failing test
+# ends the run. A mutant's own module's tests go first (see `ordered`).
 FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
-              "tests/test_stop_tokens.py", "tests/test_properties.py", "tests/test_abort.py",
-              "tests/test_validation.py"]
+              "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
+              "tests/test_abort.py", "tests/test_validation.py"]
+FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
+         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -199,8 +204,7 @@ MUTANTS = [
            "top_p drops the token that crosses the mass",
            "top_p keeps the smallest prefix reaching the mass"),
     Mutant("top_p_tie_kept", SAMPLER,
-           "probs.masked_fill(mass_before >= top_p, 0.0)",
-           "probs.masked_fill(mass_before > top_p, 0.0)",
+           "mass_before >= top_p", "mass_before > top_p",
            "top_p keeps one token more when the mass is reached exactly",
            "top_p keeps the smallest prefix reaching the mass"),
     Mutant("top_k_keeps_k_plus_1", SAMPLER,
@@ -231,26 +235,67 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
+def ordered(tests: list[str], mutant: Mutant) -> list[str]:
+    first = FIRST.get(mutant.file, [])
+    return sorted(tests, key=lambda t: t not in first)  # stable: keeps FAST_TESTS' order
+
+
+def preload() -> None:
+    """Import the heavy libraries once, in this process, so that each forked pytest run
+    starts warm (importing torch and transformers costs seconds per run, much more on a
+    loaded machine). nanoserve itself is NOT imported here: each run imports the copy."""
+    import hypothesis  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoTokenizer, GenerationConfig  # noqa: F401
+
+
 def run_pytest(tree: Path, tests: list[str], extra: list[str], timeout: float
                ) -> tuple[str, str, float]:
-    """Returns (outcome, first failing test, seconds); outcome is "killed", "survived",
-    "timeout" (counted as killed: a livelock is caught) or "error"."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
-           "OMP_NUM_THREADS": "1", "NANOSERVE_HYPOTHESIS_PROFILE": "mutate"}
+    """Run pytest on `tree` in a forked child. Returns (outcome, first failing test,
+    seconds); outcome is "killed", "survived", "timeout" (counted as killed: a livelock is
+    caught) or "error"."""
+    log = tree / ".mutate-pytest.log"
     start = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *PYTEST, *extra, *tests],
-                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "timeout", f"(no result in {timeout:.0f} s)", time.monotonic() - start
-    seconds = time.monotonic() - start
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
-    if proc.returncode == 0:
+    pid = os.fork()
+    if pid == 0:  # the child: run pytest on the copy, its output to the log
+        code = 3
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(tree)
+            sys.path.insert(0, str(tree))
+            os.environ["NANOSERVE_HYPOTHESIS_PROFILE"] = "mutate"
+            import pytest
+
+            import nanoserve
+            assert Path(nanoserve.__file__).is_relative_to(tree), nanoserve.__file__
+            code = pytest.main([*PYTEST, *extra, *tests])
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(int(code))
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - start > timeout:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", f"(no result in {timeout:.0f} s)", time.monotonic() - start
+        time.sleep(0.1)
+    seconds, returncode = time.monotonic() - start, os.waitstatus_to_exitcode(status)
+    output = log.read_text(errors="replace")
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    if returncode == 0:
         return "survived", "", seconds
     if failed:
         return "killed", failed[0], seconds
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-    return "error", " / ".join(tail), seconds
+    return "error", " / ".join(output.strip().splitlines()[-3:]), seconds
 
 
 def main() -> int:
@@ -268,6 +313,10 @@ def main() -> int:
                   f"    rule:   {m.rule}")
         return 0
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant must never run stale bytecode
+    sys.dont_write_bytecode = True
+    preload()
     with tempfile.TemporaryDirectory(prefix="nanoserve-mutate-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
@@ -289,7 +338,8 @@ def main() -> int:
             else:
                 path.write_text(source.replace(m.original, m.replacement))
                 try:
-                    outcome, detail, secs = run_pytest(tree, tests, fast, args.timeout)
+                    outcome, detail, secs = run_pytest(tree, ordered(tests, m), fast,
+                                                       args.timeout)
                     if outcome == "survived" and args.full:
                         outcome, detail, more = run_pytest(tree, ["tests"], [], args.timeout)
                         secs += more

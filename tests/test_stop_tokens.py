@@ -58,21 +58,6 @@ def test_stop_tokens_in_the_prompt_do_not_stop_generation():
     assert req.finish_reason == FinishReason.LENGTH
 
 
-def test_stop_token_ids_on_a_real_llm():
-    llm = LLM(tiny_model_dir(), num_kv_blocks=16, block_size=4, max_model_len=64)
-    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    [ref] = llm.generate([PROMPT], free, use_tqdm=False)
-    assert ref.finish_reason == "length" and len(ref.token_ids) == MAX_TOKENS
-    k = first_new_token_after(ref.token_ids, 2)
-    stop = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                          stop_token_ids=[ref.token_ids[k]])
-    [out] = llm.generate([PROMPT], stop, use_tqdm=False)
-    assert out.token_ids == ref.token_ids[:k + 1]
-    assert out.finish_reason == "stop"
-    bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-
-
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_eos_stops_unless_ignore_eos(ignore_eos):
     want = expected_output(PROMPT, MAX_TOKENS)
@@ -86,3 +71,18 @@ def test_eos_stops_unless_ignore_eos(ignore_eos):
         assert req.output_token_ids == want and req.finish_reason == FinishReason.LENGTH
     else:
         assert req.output_token_ids == want[:k + 1] and req.finish_reason == FinishReason.STOP
+
+
+def test_stop_token_ids_on_a_real_llm():
+    llm = LLM(tiny_model_dir(), num_kv_blocks=16, block_size=4, max_model_len=64)
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [ref] = llm.generate([PROMPT], free, use_tqdm=False)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == MAX_TOKENS
+    k = first_new_token_after(ref.token_ids, 2)
+    stop = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          stop_token_ids=[ref.token_ids[k]])
+    [out] = llm.generate([PROMPT], stop, use_tqdm=False)
+    assert out.token_ids == ref.token_ids[:k + 1]
+    assert out.finish_reason == "stop"
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
