@@ -159,7 +159,7 @@ def test_attention_layer_mixed_batch(group):
     k = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen)
     v = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen)
     attn = Attention(num_kv_heads * group, num_kv_heads, HEAD_DIM, scale=HEAD_DIM**-0.5)
-    attn.bind(k_cache, v_cache, select_backend(torch.device("cpu")))
+    attn.bind(k_cache, v_cache, select_backend(torch.device("cpu"), torch.float32))
     out = attn(q, k, v, meta)
     start = 0
     for table, cached, new in seqs:

@@ -1,7 +1,13 @@
-"""GPU path logic that needs no GPU: backend selection, block-size rules, the CUDA-graph
-batch-size ladder and the padding of decode inputs to a captured size."""
+"""GPU path logic that needs no GPU: backend selection (given dtype and a simulated compute
+capability), block-size rules, the KV budget, the CUDA-graph batch-size ladder, the padding
+of decode inputs to a captured size, and the eager fallback when capture fails."""
 
 from __future__ import annotations
+
+import importlib.machinery
+import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -14,22 +20,91 @@ from nanoserve.engine.cuda_graph import (
     padded_batch_size,
 )
 from nanoserve.engine.model_runner import resolve_block_size
+from nanoserve.layers import attention
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 
 
+CPU, CUDA, BF16, FP32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    """flash_attn cannot be installed here: an importable stand-in, to test the choice."""
+    module = types.ModuleType("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    module.flash_attn_varlen_func = module.flash_attn_with_kvcache = lambda *a, **kw: None
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(attention, "_fallbacks_logged", set())  # "once" starts afresh
+    return module
+
+
 def test_cpu_selects_the_torch_twins():
-    assert select_backend(torch.device("cpu"), "auto").name == "torch"
-    assert select_backend(torch.device("cpu"), "torch").name == "torch"
+    assert select_backend(CPU, FP32, "auto").name == "torch"
+    assert select_backend(CPU, FP32, "torch").name == "torch"
 
 
 def test_forcing_flash_attn_without_it_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend='flash-attn' cannot be used"):
-        select_backend(torch.device("cpu"), "flash-attn")
+        select_backend(CPU, BF16, "flash-attn")
 
 
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="attention_backend"):
-        select_backend(torch.device("cpu"), "xformers")
+        select_backend(CPU, FP32, "xformers")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_auto_picks_flash_attn_on_ampere_or_newer_in_half_precision(fake_flash_attn, dtype):
+    for cc in ((8, 0), (9, 0)):
+        assert select_backend(CUDA, dtype, "auto", compute_capability=cc).name == "flash-attn"
+    assert select_backend(CUDA, dtype, "torch", compute_capability=(9, 0)).name == "torch"
+
+
+@pytest.mark.parametrize(("dtype", "cc", "why"), [(FP32, (9, 0), "float32"),
+                                                  (BF16, (7, 5), "compute capability")])
+def test_auto_falls_back_to_torch_for_fp32_or_old_gpus_and_says_why_once(
+        fake_flash_attn, caplog, dtype, cc, why):
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        for _ in range(3):
+            assert select_backend(CUDA, dtype, "auto", compute_capability=cc).name == "torch"
+    notes = [r.getMessage() for r in caplog.records if why in r.getMessage()]
+    assert len(notes) == 1, caplog.text
+
+
+@pytest.mark.parametrize(("dtype", "cc", "why"), [(FP32, (9, 0), "float16 or bfloat16"),
+                                                  (BF16, (7, 5), "8.0")])
+def test_forcing_flash_attn_with_fp32_or_an_old_gpu_is_a_clear_error(fake_flash_attn, dtype,
+                                                                      cc, why):
+    with pytest.raises(ValueError, match=why):
+        select_backend(CUDA, dtype, "flash-attn", compute_capability=cc)
+
+
+def test_forced_flash_attn_with_fp32_fails_before_weights_load(fake_flash_attn, monkeypatch):
+    from tiny_model import tiny_model_dir
+
+    from nanoserve import LLM
+    from nanoserve.engine import model_runner
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded before the backend check")
+
+    monkeypatch.setattr(model_runner, "load_model", no_load)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        LLM(tiny_model_dir(), device="cuda", dtype="float32", attention_backend="flash-attn",
+            skip_tokenizer_init=True)
+
+
+def test_kv_budget_counts_the_sink_block():
+    """The cache holds num_kv_blocks + 1 blocks (the CUDA-graph sink): all within budget."""
+    from tiny_model import tiny_model_dir
+
+    from nanoserve import LLM
+
+    gib = 0.001
+    runner = LLM(tiny_model_dir(), kv_cache_memory_gib=gib, skip_tokenizer_init=True).model_runner
+    kv = runner.kv_cache
+    assert kv.shape[2] == runner.num_kv_blocks + 1
+    assert kv.numel() * kv.element_size() <= gib * 2**30
 
 
 def test_block_size_defaults_and_flash_attn_rule():
@@ -122,3 +197,39 @@ def _recording(seen: list[tuple[int, int]]):
         seen.append((num_rows, bs))
         return bs
     return padded
+
+
+def test_failed_capture_falls_back_to_eager_decode_with_one_warning(monkeypatch):
+    """A kernel that syncs with the host during capture (e.g. flash-attn after 2.8.3, whose
+    paged decode calls `.item()`) makes capture fail: decode then runs eagerly, and the
+    engine says so once instead of crashing at start-up."""
+    from tiny_model import tiny_model_dir
+
+    from nanoserve import LLM, SamplingParams
+
+    class FailingCapture:
+        def __init__(self, graph, pool=None) -> None:
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = dict(num_kv_blocks=24, block_size=4, max_num_seqs=5, skip_tokenizer_init=True)
+    eager = [o.token_ids for o in LLM(tiny_model_dir(), **config).generate(
+        prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    llm = LLM(tiny_model_dir(), **config)
+    runner = llm.model_runner
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed") as record:
+        runner.graphs = CUDAGraphRunner(runner.model, 5, runner.max_blocks_per_seq,
+                                        padding_block=runner.num_kv_blocks,
+                                        block_size=runner.block_size)
+    assert len(record) == 1
+    assert runner.graphs.graphs == {}
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == eager

@@ -5,10 +5,13 @@ arithmetic, sets the step time (§1: decode is memory bound). A CUDA graph recor
 launches once per batch size and replays them with one call. Shapes must be fixed, so
 graphs are captured for a ladder of batch sizes and a decode batch is padded up to the
 next captured size. Padding rows write their K/V into the runner's padding block, which
-belongs to no request, and read one key from it.
+belongs to no request, and read one key from it. If capture fails (a kernel that syncs
+with the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -65,7 +68,12 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        try:
+            self._capture_all()
+        except RuntimeError as e:  # e.g. a kernel that syncs with the host while capturing
+            self.graphs.clear(), self.outputs.clear()
+            warnings.warn(f"CUDA graph capture failed, decode runs eagerly: {e}",
+                          RuntimeWarning, stacklevel=2)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         empty = torch.zeros(1, dtype=torch.int32, device=self.input_ids.device)
@@ -91,7 +99,7 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.num_decode_tokens <= self.sizes[-1]
+        return bool(self.graphs) and meta.num_decode_tokens <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:

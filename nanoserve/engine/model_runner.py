@@ -52,7 +52,7 @@ class ModelRunner:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config)
         # Backend and block size first: their errors must come before loading any weights.
-        self.backend = select_backend(self.device, config.attention_backend)
+        self.backend = select_backend(self.device, self.dtype, config.attention_backend)
         self.block_size = resolve_block_size(self.backend.name, config.block_size)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
@@ -80,7 +80,7 @@ class ModelRunner:
             budget = self._cuda_kv_budget()
         else:
             budget = int(self.config.kv_cache_memory_gib * 2**30)
-        num_blocks = budget // self.kv_bytes_per_block()
+        num_blocks = budget // self.kv_bytes_per_block() - 1  # the sink block is in budget too
         if num_blocks < 1:
             raise ValueError("the KV cache memory budget is smaller than one block; raise "
                              "kv_cache_memory_gib / gpu_memory_utilization or set num_kv_blocks")

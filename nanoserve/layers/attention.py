@@ -10,11 +10,13 @@ Batch layout (an invariant the ModelRunner guarantees):
 a one-token prefill chunk takes the same path, and that is correct for it too.
 
 The two attention calls use flash-attn's signatures. On CUDA with flash_attn importable
-they are flash-attn's kernels; otherwise they are the torch twins in `torch_attention.py`.
+(fp16/bf16, compute capability >= 8.0) they are flash-attn's kernels; otherwise they are
+the torch twins in `torch_attention.py`, which check flash-attn's argument contract.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +71,10 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
+        if backend.name == "flash-attn" and k_cache.numel():  # fail at start-up, not mid-step
+            from nanoserve.layers.torch_attention import check_flash_attn_limits
+
+            check_flash_attn_limits(k_cache.dtype, self.head_dim, k_cache.shape[1])
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
     def forward(
@@ -97,12 +103,17 @@ class Attention(nn.Module):
 
 
 ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
+_fallbacks_logged: set[str] = set()  # say each reason for not using flash-attn once
 
 
-def select_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
-    """The one place that picks the kernels: flash-attn on CUDA when it imports, else torch.
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
+                   compute_capability: tuple[int, int] | None = None) -> AttentionBackend:
+    """The one place that picks the kernels: flash-attn when it imports and can run here
+    (CUDA, fp16/bf16, compute capability >= 8.0), else the torch twins. Called before any
+    weights load, so a forced flash-attn that cannot run fails early.
 
     requested: "auto", "flash-attn" (error if unusable) or "torch" (always works).
+    compute_capability: read from the GPU when None; tests pass one.
     """
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
@@ -112,19 +123,26 @@ def select_backend(device: torch.device, requested: str = "auto") -> AttentionBa
             import flash_attn
         except ImportError:
             flash_attn = None
-        if flash_attn is not None and device.type == "cuda":
+        why = ("flash_attn is not installed" if flash_attn is None
+               else f"device is {device.type}" if device.type != "cuda"
+               else f"dtype is {dtype}; flash-attn needs float16 or bfloat16"
+               if dtype not in (torch.float16, torch.bfloat16) else None)
+        if why is None:
+            cc = compute_capability or torch.cuda.get_device_capability(device)
+            if tuple(cc) < (8, 0):
+                why = f"compute capability is {cc[0]}.{cc[1]}; flash-attn 2 needs >= 8.0"
+        if why is None:
             return AttentionBackend(
                 "flash-attn", flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
             )
         if requested == "flash-attn":
-            why = (
-                "flash_attn is not installed" if flash_attn is None else f"device is {device.type}"
-            )
-            raise ValueError(
-                f"attention_backend='flash-attn' cannot be used: {why}. "
-                "Install it with `pip install nanoserve[gpu]` on a CUDA machine, "
-                "or use attention_backend='auto'."
-            )
+            raise ValueError(f"attention_backend='flash-attn' cannot be used: {why}. Install it "
+                             "with `pip install nanoserve[gpu]` on a CUDA machine, or use "
+                             "attention_backend='auto'.")
+        if device.type == "cuda" and why not in _fallbacks_logged:
+            _fallbacks_logged.add(why)
+            logging.getLogger("nanoserve").warning("attention: torch twins, not flash-attn: %s",
+                                                   why)
     from nanoserve.layers import torch_attention
 
     return AttentionBackend(

@@ -8,6 +8,10 @@ run `scaled_dot_product_attention`: slower than a fused kernel, but exact and po
 Causal masking follows flash-attn: when a chunk of `lq` queries attends to `lk >= lq`
 keys, query i may see keys 0 .. lk - lq + i (the mask is aligned to the bottom right),
 because the chunk's tokens are the last `lq` of the request's `lk` tokens.
+
+They also check flash-attn 2's argument contract, so a CPU test fails on a call the kernel
+would reject or compute differently (a length over max_seqlen_k: flash-attn drops keys).
+Cheap checks (no GPU sync); `flash_contract=True` adds the limits only flash-attn has.
 """
 
 from __future__ import annotations
@@ -22,27 +26,71 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     return blocks.flatten(-4, -3)
 
 
+def check_flash_attn_limits(dtype: torch.dtype, head_dim: int, page_size: int | None) -> None:
+    """What flash-attn's kernels refuse and the torch twins compute fine."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float16 or bfloat16 for flash-attn, got {dtype}")
+    if head_dim > 256 or head_dim % 8:  # % 8: flash-attn would pad (copy) the whole cache
+        raise ValueError(f"head_dim must be <= 256 and a multiple of 8 for flash-attn, "
+                         f"got {head_dim}")
+    if page_size is not None and page_size % 256:
+        raise ValueError(f"block_size must be a multiple of 256 for flash-attn's paged KV, "
+                         f"got {page_size}")
+
+
+def _check_contract(qkv: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None],
+                    paged: bool, flash_contract: bool) -> None:
+    q, k, _ = qkv.values()
+    for name, t in qkv.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, q has {q.dtype}: they must match")
+    for name, t in index.items():
+        if t is not None and t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"num_kv_heads ({k.shape[-2]}) must divide num_heads ({q.shape[-2]})")
+    if flash_contract:
+        check_flash_attn_limits(q.dtype, q.shape[-1], k.shape[1] if paged else None)
+
+
+def _no_visible_key(i: int) -> ValueError:  # unreachable from the engine; tests keep it so
+    return ValueError(f"sequence {i}: a query would see no key (flash-attn gives 0, the twin NaN)")
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-    block_table: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None, flash_contract: bool = False,
 ) -> torch.Tensor:
     """q: [total_q, H, D]. k, v: [total_k, Hkv, D], or paged caches
     [num_blocks, block_size, Hkv, D] when `block_table` [batch, max_blocks] is given."""
     if dropout_p != 0.0:
         raise ValueError("the torch twin supports dropout_p=0.0 only (inference)")
+    _check_contract({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q,
+                    "cu_seqlens_k": cu_seqlens_k, "block_table": block_table},
+                    block_table is not None, flash_contract)
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[-2]
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts_q) - 1):
         q0, q1 = starts_q[i], starts_q[i + 1]
         len_q, len_k = q1 - q0, starts_k[i + 1] - starts_k[i]
+        for name, n, limit in (("max_seqlen_q", len_q, max_seqlen_q),
+                               ("max_seqlen_k", len_k, max_seqlen_k)):
+            if n > limit:  # flash-attn would silently drop the rest
+                raise ValueError(f"{name}={limit} is below sequence {i}'s length {n}")
+        if len_q and len_k - (len_q - 1 if causal else 0) < 1:
+            raise _no_visible_key(i)
         if block_table is None:
             ki, vi = k[starts_k[i]:starts_k[i + 1]], v[starts_k[i]:starts_k[i + 1]]
         else:
             num_blocks = -(-len_k // k.shape[1])  # ceil division
+            if num_blocks > block_table.shape[1]:
+                raise ValueError(f"block_table has too few columns for sequence {i}")
             ki = _gather_blocks(k, block_table[i, :num_blocks])[:len_k]
             vi = _gather_blocks(v, block_table[i, :num_blocks])[:len_k]
         # [len, H, D] -> [H, len, D]; each KV head serves `group` consecutive query heads.
@@ -65,14 +113,24 @@ def flash_attn_with_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None, causal: bool = False,
+    softmax_scale: float | None = None, causal: bool = False, flash_contract: bool = False,
 ) -> torch.Tensor:
     """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
-    request b, found through `block_table` [batch, max_blocks] in the paged caches."""
+    request b, found through `block_table` [batch, max_blocks] in the paged caches. Unlike
+    flash-attn it reads every block in the table (masked), so padding must be finite."""
     if k is not None or v is not None:
         raise ValueError("the torch twin reads K/V already in the cache; pass k=None, v=None")
     if block_table is None or cache_seqlens is None:
         raise ValueError("the torch twin needs block_table and cache_seqlens")
+    _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                    {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
+                    flash_contract)
+    if cache_seqlens.device.type == "cpu":  # reading values elsewhere would sync the GPU
+        lo, hi = cache_seqlens.aminmax()
+        if lo < 1:
+            raise _no_visible_key(int(cache_seqlens.argmin()))
+        if hi > block_table.shape[1] * k_cache.shape[1]:
+            raise ValueError("block_table has too few columns for cache_seqlens")
     batch, len_q, num_heads, head_dim = q.shape
     if len_q != 1:
         raise ValueError(f"the torch twin decodes one query per request, got {len_q}")
