@@ -23,7 +23,6 @@ from nanoserve.engine.model_runner import resolve_block_size
 from nanoserve.layers import attention
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 
-
 CPU, CUDA, BF16, FP32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
 
 
