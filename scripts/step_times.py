@@ -1,0 +1,110 @@
+"""Decode step time by batch size, eager vs optimized, against the machine's matmul roofline.
+
+Every row decodes one token at ~240 tokens of context (a full `execute_model` step: inputs,
+forward, logits, sampling). Variants are timed interleaved, step by step, and the median is
+reported, so that noise from other processes hits all variants alike. The roofline is the
+GEMM rate measured here: a decode step needs ~2 x params FLOPs per row, so at 64 rows the
+best possible step is 64 x 2 x params / (GEMM FLOP/s).
+
+    python scripts/step_times.py                       # fp32 and bf16, 1/16/64 rows
+    python scripts/step_times.py --dtypes float32 --rows 16 --steps 30
+    python scripts/step_times.py --cpu-time --threads 1  # on a shared, busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import scheduler as sched
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.sequence import Request, RequestStatus
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.bundled import default_model_dir
+
+
+def decode_batch(runner: ModelRunner, rows: int, context: int):
+    """A SchedulerOutput in which `rows` requests each decode their token at `context`."""
+    bs = runner.block_size
+    blocks = -(-(context + 1) // bs)
+    reqs = []
+    for i in range(rows):
+        req = Request(f"r{i}", [(13 * i + j) % 5000 + 10 for j in range(context + 1)],
+                      SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+        req.block_table = list(range(i * blocks, (i + 1) * blocks))
+        req.num_computed_tokens, req.status = context, RequestStatus.RUNNING
+        reqs.append(req)
+    if hasattr(sched, "ScheduledRequest"):  # the ScheduledRequest interface
+        return sched.SchedulerOutput(
+            scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
+            token_budget=rows, idle_rows=[], preempted=[], admitted=[])
+    return sched.SchedulerOutput(scheduled=reqs, num_scheduled_tokens={r.request_id: 1
+                                                                         for r in reqs})
+
+
+def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 20) -> float:
+    """The CPU's matmul rate on the model's own shapes (576 -> 1536 -> 576, 256 rows)."""
+    x = torch.randn(256, 576, dtype=dtype)
+    w1, w2 = torch.randn(1536, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    F.linear(F.linear(x, w1), w2)
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        F.linear(F.linear(x, w1), w2)
+        times.append(clock() - t)
+    return 2 * 2 * 256 * 576 * 1536 / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--context", type=int, default=240)
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per variant and size")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time this thread's CPU time, not wall time (use with --threads 1)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    rows_list = [int(r) for r in args.rows.split(",")]
+    blocks = max(rows_list) * -(-(args.context + 1) // 16) + 1
+    model_dir = default_model_dir()
+    print(f"threads {torch.get_num_threads()}, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
+          f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
+    print("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
+          "% of roofline |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        runners = {name: ModelRunner(EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=blocks,
+                                                  block_size=16, enforce_eager=eager),
+                                     model_dir)
+                   for name, eager in (("eager", True), ("optimized", False))}
+        params = sum(p.numel() for p in runners["eager"].model.parameters())
+        gflops = gemm_gflops(runners["eager"].dtype, clock)
+        for rows in rows_list:
+            outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            for step in range(args.steps + 2):  # two warm-up steps
+                for name, runner in runners.items():
+                    t = clock()
+                    runner.execute_model(outs[name])
+                    if step >= 2:
+                        times[name].append(clock() - t)
+            eager, opt = (statistics.median(times[n]) * 1e3 for n in ("eager", "optimized"))
+            roofline_ms = rows * 2 * params / (gflops * 1e9) * 1e3
+            print(f"| {dtype} | {rows} | {eager:.1f} | {opt:.1f} | {opt / eager:.2f} | "
+                  f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% |")
+        print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
+              f"{gflops * 1e9 / (2 * params):.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
