@@ -13,7 +13,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF-style directory; None = the bundled SmolLM2
-    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # "auto" = bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto" = cuda if available, else cpu
     max_num_seqs: int = 32  # at most this many requests in `running`
     max_num_batched_tokens: int = 1024  # the token budget of one step (§6.2)
@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", "priority", or "static" (§2, for comparison)
     attention_backend: str = "auto"  # "auto", "flash-attn" or "torch"
-    enforce_eager: bool = False  # CUDA: True turns CUDA graphs for decode off
+    enforce_eager: bool = False  # True: the plain path (no CUDA graphs, no packed CPU weights)
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids

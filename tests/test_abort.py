@@ -26,14 +26,14 @@ PROMPTS = [[10 + i, 200 + i, 3000 + i, 40 + i, 500 + i] for i in range(5)]
 def small_llm(**config) -> LLM:
     """8 blocks of 4 tokens for requests of up to 17 tokens: three running requests
     cannot all fit, so preemption is certain."""
-    config = {"num_kv_blocks": 8, "block_size": 4, "max_num_seqs": 3, **config}
+    config = {"num_kv_blocks": 8, "block_size": 4, "max_num_seqs": 3, "dtype": "float32", **config}
     return LLM(tiny_model_dir(), **config)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, ...], list[int]]:
     """Greedy outputs with a cache large enough that nothing is ever preempted."""
-    llm = LLM(tiny_model_dir(), num_kv_blocks=64, block_size=4)
+    llm = LLM(tiny_model_dir(), num_kv_blocks=64, block_size=4, dtype="float32")
     prompts = PROMPTS + [[7, 8, 9, 10, 11, 12, 13]]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return {tuple(p): o.token_ids for p, o in zip(prompts, outs)}

@@ -83,7 +83,7 @@ def check(outputs, prompts, expected):
 
 
 def test_default_config(reference):
-    llm = LLM()
+    llm = LLM(dtype="float32")  # HF identity is an fp32 promise; "auto" may pick bf16
     outputs = llm.generate(reference["prompts"], GREEDY, use_tqdm=False)
     check(outputs, reference["prompts"], reference["expected"])
     assert any(o.finish_reason == "stop" for o in outputs)  # EOS ends some answers
@@ -91,7 +91,7 @@ def test_default_config(reference):
 
 
 def test_preemption_under_kv_pressure(reference):
-    llm = LLM(num_kv_blocks=20, block_size=16, max_model_len=320)
+    llm = LLM(num_kv_blocks=20, block_size=16, max_model_len=320, dtype="float32")
     outputs, seen = run_steps(llm, reference["prompts"])
     check(outputs, reference["prompts"], reference["expected"])
     assert seen["preempted"] > 0
@@ -99,7 +99,7 @@ def test_preemption_under_kv_pressure(reference):
 
 
 def test_chunked_prefill(reference):
-    llm = LLM(max_num_batched_tokens=16)
+    llm = LLM(max_num_batched_tokens=16, dtype="float32")
     outputs, seen = run_steps(llm, reference["prompts"])
     check(outputs, reference["prompts"], reference["expected"])
     assert seen["chunks"] > 0
@@ -107,7 +107,7 @@ def test_chunked_prefill(reference):
 
 
 def test_prefix_caching_hits(reference):
-    llm = LLM(enable_prefix_caching=True)
+    llm = LLM(enable_prefix_caching=True, dtype="float32")
     shared = reference["shared"]
     first = llm.generate(shared[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(shared[1:], GREEDY, use_tqdm=False)
@@ -117,7 +117,8 @@ def test_prefix_caching_hits(reference):
 
 
 def test_priority_policy(reference):
-    llm = LLM(scheduling_policy="priority", num_kv_blocks=20, block_size=16, max_model_len=320)
+    llm = LLM(scheduling_policy="priority", num_kv_blocks=20, block_size=16, max_model_len=320,
+              dtype="float32")
     prompts = reference["prompts"]
     outputs, seen = run_steps(llm, prompts, priorities=[i % 3 for i in range(len(prompts))])
     check(outputs, prompts, reference["expected"])
@@ -125,6 +126,6 @@ def test_priority_policy(reference):
 
 
 def test_static_policy(reference):
-    llm = LLM(scheduling_policy="static", max_num_seqs=4)
+    llm = LLM(scheduling_policy="static", max_num_seqs=4, dtype="float32")
     outputs, _ = run_steps(llm, reference["prompts"])
     check(outputs, reference["prompts"], reference["expected"])

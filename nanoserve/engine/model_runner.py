@@ -19,6 +19,7 @@ from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request
 from nanoserve.layers.attention import AttentionMetadata, select_backend
+from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul, pack_linears
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
@@ -32,7 +33,8 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = config.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        # bf16 on a CPU only where it has bf16 matmul units; emulated bf16 is slower than fp32.
+        dtype = "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
     return torch.device(device), DTYPES[dtype]
 
 
@@ -57,6 +59,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
+        if self.device.type == "cpu" and not config.enforce_eager and \
+                torch.backends.mkldnn.is_available():
+            pack_linears(self.model)  # fp32 GEMMs without re-tiling the weights every call
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)

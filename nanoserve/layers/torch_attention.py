@@ -118,8 +118,8 @@ def flash_attn_with_kvcache(
     softmax_scale: float | None = None, causal: bool = False, flash_contract: bool = False,
 ) -> torch.Tensor:
     """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
-    request b, found through `block_table` [batch, max_blocks] in the paged caches. Unlike
-    flash-attn it reads every block in the table (masked), so padding must be finite."""
+    request b, found through `block_table` [batch, max_blocks] in the paged caches. On CUDA,
+    unlike flash-attn, it reads every block in the table (masked), so padding must be finite."""
     if k is not None or v is not None:
         raise ValueError("the torch twin reads K/V already in the cache; pass k=None, v=None")
     if block_table is None or cache_seqlens is None:
@@ -127,7 +127,8 @@ def flash_attn_with_kvcache(
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)
-    if cache_seqlens.device.type == "cpu":  # reading values elsewhere would sync the GPU
+    on_cpu = cache_seqlens.device.type == "cpu"  # reading values elsewhere would sync the GPU
+    if on_cpu:
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
             raise _no_visible_key(int(cache_seqlens.argmin()))
@@ -144,7 +145,6 @@ def flash_attn_with_kvcache(
     # A few rows at a time, each group only as wide as its longest context: the gathered
     # K/V copy stays in the CPU cache for SDPA, and short requests skip padding blocks.
     # (On CUDA: one group, no host sync, so that the CUDA-graph capture sees no .tolist().)
-    on_cpu = q.device.type == "cpu"
     lens = cache_seqlens.tolist() if on_cpu else None
     step = DECODE_ROWS_PER_GATHER if on_cpu else batch
     for s in range(0, batch, step):
