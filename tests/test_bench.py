@@ -12,6 +12,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py is a script
 import bench  # noqa: E402
+from benchmarks import report, workloads  # noqa: E402
+from benchmarks.systems import SystemResult, assign_slots  # noqa: E402
+from benchmarks.vllm_system import VLLM, identical_requests, vllm_job, vllm_result  # noqa: E402
+from benchmarks.workloads import Job, Workload, poisson_arrivals  # noqa: E402
 
 VOCAB = 256
 LENGTHS = [3, 17, 5, 9, 2, 12, 7]  # skewed, so static batching must waste rows
@@ -48,12 +52,16 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def jobs() -> list[bench.Job]:
-    return [bench.Job([3 + (i * 7 + k) % 250 for k in range(5 + 3 * i)], n)
+def jobs() -> list[Job]:
+    return [Job([3 + (i * 7 + k) % 250 for k in range(5 + 3 * i)], n)
             for i, n in enumerate(LENGTHS)]
 
 
-def check(r: bench.Result, slots: int) -> None:
+def workload(job_list: list[Job] | None = None, slots: int = 3) -> Workload:
+    return Workload("test", job_list or jobs(), slots, "")
+
+
+def check(r: SystemResult, slots: int) -> None:
     assert r.useful_tokens == sum(LENGTHS)
     assert r.num_steps > 0 and r.wall_s > 0
     assert 0 < r.utilisation <= 1
@@ -65,13 +73,12 @@ def check(r: bench.Result, slots: int) -> None:
 @pytest.fixture(scope="module")
 def nanoserve_results(tiny_dir):
     # max_num_batched_tokens 16: prefills get chunked, as on the real workload
-    return {policy: bench.run_nanoserve(tiny_dir, jobs(), policy, max_num_seqs=3,
-                                        max_num_batched_tokens=16)
-            for policy in ("fcfs", "static")}
+    return {system.name: system(tiny_dir, max_num_batched_tokens=16).run(workload())
+            for system in (bench.Continuous, bench.Static)}
 
 
 def test_nanoserve_continuous_and_static_add_up(nanoserve_results):
-    cont, static = nanoserve_results["fcfs"], nanoserve_results["static"]
+    cont, static = nanoserve_results["continuous"], nanoserve_results["static"]
     for r in (cont, static):
         check(r, 3)
         assert r.preemptions == 0 and 0 < r.peak_kv_usage <= 1
@@ -92,7 +99,7 @@ def test_static_runs_whole_batches(nanoserve_results):
 
 
 def test_hf_static_adds_up(tiny_dir):
-    r = bench.run_hf_static(tiny_dir, jobs(), max_num_seqs=3)
+    r = bench.HFStatic(tiny_dir).run(workload())
     check(r, 3)
     batches = [LENGTHS[i:i + 3] for i in range(0, len(LENGTHS), 3)]
     assert r.num_steps == sum(max(b) for b in batches)
@@ -101,11 +108,11 @@ def test_hf_static_adds_up(tiny_dir):
 
 def test_assign_slots_reuses_the_lowest_free_slot():
     steps = [[(0, True), (1, True)], [(1, True)], [(2, True), (1, False)]]
-    assert bench.assign_slots(steps, 2) == [[1, 2], [0, 2], [3, -2]]
+    assert assign_slots(steps, 2) == [[1, 2], [0, 2], [3, -2]]
 
 
 def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "longtail_lengths", lambda rng, n, quick: LENGTHS[:n])
+    monkeypatch.setattr(workloads, "longtail_lengths", lambda rng, n, hi: LENGTHS[:n])
     out = tmp_path / "r.json"
     bench.main(["--model", tiny_dir, "--workload", "longtail", "--quick", "--num-requests", "6",
                 "--max-num-seqs", "3", "--systems", "continuous,static", "--out", str(out),
@@ -118,7 +125,7 @@ def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_hf_cb_adds_up(tiny_dir):
-    r = bench.run_hf_cb(tiny_dir, jobs(), max_num_seqs=3, max_num_batched_tokens=16)
+    r = bench.HFContinuous(tiny_dir, max_num_batched_tokens=16).run(workload())
     check(r, 3)
     assert r.wasted_request_steps == 0
 
@@ -126,8 +133,8 @@ def test_hf_cb_adds_up(tiny_dir):
 def test_arrivals_enter_from_the_step_loop(tiny_dir):
     """--arrival-rate: a job is added only once its arrival time has passed, and its
     latency is measured from that arrival time, not from when the loop noticed it."""
-    timed = [bench.Job(j.prompt_ids, j.max_tokens, arrival=0.05 * i) for i, j in enumerate(jobs())]
-    r = bench.run_nanoserve(tiny_dir, timed, "fcfs", max_num_seqs=3)
+    timed = [Job(j.prompt_ids, j.max_tokens, arrival=0.05 * i) for i, j in enumerate(jobs())]
+    r = bench.Continuous(tiny_dir).run(workload(timed))
     check(r, 3)
     assert r.wall_s >= timed[-1].arrival
     assert all(t > 0 and e >= t for t, e in zip(r.ttft, r.e2e))
@@ -136,7 +143,56 @@ def test_arrivals_enter_from_the_step_loop(tiny_dir):
 def test_poisson_arrivals_are_seeded_and_increasing():
     import numpy as np
 
-    a = bench.poisson_arrivals(np.random.default_rng(1), 50, 4.0)
-    assert a == bench.poisson_arrivals(np.random.default_rng(1), 50, 4.0)
+    a = poisson_arrivals(np.random.default_rng(1), 50, 4.0)
+    assert a == poisson_arrivals(np.random.default_rng(1), 50, 4.0)
     assert all(x < y for x, y in zip(a, a[1:])) and 5 < a[-1] < 25
-    assert bench.poisson_arrivals(np.random.default_rng(1), 3, None) == [0.0, 0.0, 0.0]
+    assert poisson_arrivals(np.random.default_rng(1), 3, None) == [0.0, 0.0, 0.0]
+
+
+def test_vllm_is_skipped_with_a_hint_when_its_venv_is_absent(tiny_dir, tmp_path, capsys,
+                                                             monkeypatch):
+    absent = VLLM(tiny_dir, venv=tmp_path / "no-venv")
+    assert "bash scripts/setup_vllm_venv.sh" in absent.unavailable()
+    monkeypatch.setitem(bench.SYSTEMS, "vllm",
+                        lambda *args: VLLM(*args, venv=tmp_path / "no-venv"))
+    results = bench.main(["--model", tiny_dir, "--workload", "chapter", "--quick",
+                          "--systems", "vllm", "--out", str(tmp_path / "r.json")])
+    assert results == []
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("skipping vllm")]
+    assert len(lines) == 1 and "scripts/setup_vllm_venv.sh" in lines[0]
+
+
+def test_vllm_job_file_and_result_parsing():
+    wl = workload()
+    job = vllm_job(wl, "/models/x", "float32", 16)
+    assert job["prompts"] == [j.prompt_ids for j in wl.jobs]
+    assert job["max_tokens"] == LENGTHS and job["max_num_seqs"] == 3
+    assert job["max_model_len"] == max(len(j.prompt_ids) + j.max_tokens for j in wl.jobs)
+    assert json.loads(json.dumps(job)) == job  # it travels as a file
+    tokens = [[7] * n for n in LENGTHS]
+    metrics = [{"arrival_time": 10.0, "first_token_time": 10.5, "last_token_time": 10.5 + n - 1}
+               for n in LENGTHS]
+    data = {"startup_s": 60.0, "first_token_s": 61.0, "wall_s": 2.0, "vllm": "0.32.0",
+            "torch": "2.13.0", "token_ids": tokens, "metrics": metrics}
+    r = vllm_result(data, wl)
+    assert r.system == "vllm" and r.output_tps == sum(LENGTHS) / 2.0
+    assert r.startup_s == 60.0 and r.token_ids == tokens and r.utilisation is None
+    assert r.ttft == [0.5] * len(LENGTHS) and r.e2e == [n - 0.5 for n in LENGTHS]
+    assert r.tpot[0] == 1.0 and r.tpot[LENGTHS.index(2)] == 1.0
+    assert vllm_result({**data, "metrics": [None] * len(LENGTHS)}, wl).ttft[0] is None
+    with pytest.raises(RuntimeError, match="wrong number of tokens"):
+        vllm_result({**data, "token_ids": [[7]] + tokens[1:]}, wl)
+
+
+def test_identical_token_counts_and_vllm_ratio():
+    def result(system: str, tokens: list[list[int]], wall: float) -> SystemResult:
+        return SystemResult(system, wall, None, 2, 4, 10, None, None, [], [], [],
+                            token_ids=tokens)
+
+    ours = result("continuous", [[1, 2], [3, 4]], 1.0)
+    theirs = result("vllm", [[1, 2], [3, 5]], 2.0)
+    assert identical_requests(ours.token_ids, theirs.token_ids) == 1
+    assert report.identical_counts([ours, theirs]) == {"vllm": 1}
+    assert report.ratio_lines([ours, theirs]) == [
+        "nanoserve (continuous) / vLLM: 2.00x output tok/s"]
+    assert "| vllm |" in report.throughput_table([theirs])

