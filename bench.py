@@ -35,12 +35,12 @@ DEFAULT_SYSTEMS = ("continuous", "static", "hf-static", "hf-cb")
 def concrete_dtype(dtype: str) -> str:
     """--dtype auto: nanoserve resolves it itself; the other systems get the dtype it picks
     here, so that every system does the same arithmetic."""
-    if dtype != "auto":
-        return dtype
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.model_runner import resolve_device_and_dtype
+    import nanoserve.config as config
 
-    return str(resolve_device_and_dtype(EngineConfig())[1]).removeprefix("torch.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if hasattr(config, "resolve_dtype"):  # nanoserve's own rule, where it has one
+        return config.resolve_dtype(dtype, device)
+    return dtype if dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -192,3 +192,9 @@ def test_identical_token_counts_and_vllm_ratio():
     assert report.ratio_lines([ours, theirs]) == [
         "nanoserve (continuous) / vLLM: 2.00x output tok/s"]
     assert "| vllm |" in report.throughput_table([theirs])
+
+
+def test_dtype_auto_goes_to_nanoserve_and_resolves_for_the_others():
+    assert bench.parse_args(["--dtype", "auto"]).dtype == "auto"
+    assert bench.concrete_dtype("bfloat16") == "bfloat16"
+    assert bench.concrete_dtype("auto") in ("float32", "bfloat16")
