@@ -33,14 +33,14 @@ DEFAULT_SYSTEMS = ("continuous", "static", "hf-static", "hf-cb")
 
 
 def concrete_dtype(dtype: str) -> str:
-    """--dtype auto: nanoserve resolves it itself; the other systems get the dtype it picks
-    here, so that every system does the same arithmetic."""
-    import nanoserve.config as config
+    """--dtype auto: nanoserve resolves it itself (bf16 on CPUs with bf16 matmul units);
+    the other systems get the dtype it picks here, so that all do the same arithmetic."""
+    if dtype != "auto":
+        return dtype
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.model_runner import resolve_device_and_dtype
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if hasattr(config, "resolve_dtype"):  # nanoserve's own rule, where it has one
-        return config.resolve_dtype(dtype, device)
-    return dtype if dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
+    return str(resolve_device_and_dtype(EngineConfig())[1]).removeprefix("torch.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
