@@ -37,10 +37,9 @@ def concrete_dtype(dtype: str) -> str:
     the other systems get the dtype it picks here, so that all do the same arithmetic."""
     if dtype != "auto":
         return dtype
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.model_runner import resolve_device_and_dtype
+    from nanoserve.config import resolve_dtype
 
-    return str(resolve_device_and_dtype(EngineConfig())[1]).removeprefix("torch.")
+    return resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -157,9 +157,8 @@ class System:
 
 
 def step_rows(sched) -> list[tuple[str, bool]]:
-    """(request id, useful) of each row of one step. SchedulerOutput.scheduled holds
-    ScheduledRequest entries (`.request`); older versions held Requests directly."""
-    rows = [(getattr(e, "request", e).request_id, True) for e in sched.scheduled]
+    """(request id, useful) of each row of one step: scheduled rows, then static idle rows."""
+    rows = [(entry.request.request_id, True) for entry in sched.scheduled]
     return rows + [(r.request_id, False) for r in sched.idle_rows]
 
 

@@ -1,23 +1,32 @@
-"""Engine configuration (vLLM's names), validated when it is built: every bad value is a
-ValueError that names the field and the allowed range, before any memory is allocated."""
+"""Engine configuration (vLLM's names): the knobs of §6.2 (token budget, max_num_seqs) and
+§7 (chunked prefill, scheduling policy), the KV cache (§5) and the device.
+
+Checked twice, both times before any memory is allocated: each field when it is built
+(`EngineConfig.__post_init__`), then against the machine and the model's config.json in
+`resolve_config`, which fills every "auto"/None value. Every bad value is a ValueError
+that names the field and the allowed range.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from nanoserve.layers.attention import ATTENTION_BACKENDS
+import torch
+from transformers import PretrainedConfig
+
+from nanoserve.layers.attention import ATTENTION_BACKENDS, select_backend
+from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF-style directory; None = the bundled SmolLM2
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto" = cuda if available, else cpu
     max_num_seqs: int = 32  # at most this many requests in `running`
     max_num_batched_tokens: int = 1024  # the token budget of one step (§6.2)
-    max_model_len: int = 2048  # prompt + output tokens of one request
+    max_model_len: int | None = None  # prompt + output tokens; None = the model's limit
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
     block_size: int | None = None  # None = 16 (torch attention) or 256 (flash-attn)
@@ -43,7 +52,8 @@ class EngineConfig:
         need(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
              "max_num_batched_tokens", ">= 1")
-        need(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", ">= 2")
+        need(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
+             "max_model_len", "None or an integer >= 2")
         need(self.block_size is None or (is_int(self.block_size) and self.block_size >= 1),
              "block_size", "None or an integer >= 1")
         need(self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
@@ -61,8 +71,53 @@ class EngineConfig:
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
              "one of ('auto', 'float32', 'float16', 'bfloat16')")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False: "
                 "otherwise a long prompt could never be scheduled in one step")
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto": bfloat16 on CUDA and on CPUs with bf16 matmul units, else float32."""
+    if dtype != "auto":
+        return dtype
+    # bf16 on a CPU only where it has bf16 matmul units; emulated bf16 is slower than fp32.
+    return "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
+
+
+def resolve_block_size(backend_name: str, block_size: int | None) -> int:
+    """flash-attn's paged KV needs blocks of a multiple of 256 tokens; the torch twins
+    take any size, and small blocks waste less memory on a request's last block."""
+    if backend_name == "flash-attn":
+        if block_size is not None and block_size % 256 != 0:
+            raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
+                             f"got {block_size}")
+        return block_size or 256
+    return block_size or 16
+
+
+def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineConfig:
+    """A copy of `config` with device, dtype, attention backend, block size and
+    max_model_len decided, from the machine and the model's config.json only: it runs
+    before any weight is loaded or KV block allocated, so its errors come first."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(config.dtype, device)
+    backend = select_backend(torch.device(device), DTYPES[dtype], config.attention_backend).name
+    # As in vLLM: the model's own limit unless the user asks for less.
+    model_limit = hf_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_limit
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
+                         f"max_position_embeddings ({model_limit})")
+    # replace() runs __post_init__ again, so the filled values are checked too.
+    return replace(config, device=device, dtype=dtype,
+                   attention_backend=backend,
+                   block_size=resolve_block_size(backend, config.block_size),
+                   max_model_len=max_model_len)

@@ -1,4 +1,4 @@
-"""GPU check (issues #6 and #13): one prepared run of a few minutes on a CUDA machine.
+"""GPU check: one prepared run of a few minutes on a CUDA machine.
 
 Checks, in order (each prints one line; the kernel and graph checks print a table):
   0. versions: flash-attn / torch / CUDA / GPU name and SM (compute capability).

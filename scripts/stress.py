@@ -1,4 +1,4 @@
-"""Stress test (issue #5): hundreds of requests through a tiny KV pool on the real model.
+"""Stress test: hundreds of requests through a tiny KV pool on the real model.
 
 Requests arrive in waves between steps into a pool of a few dozen blocks, so the engine
 keeps preempting (by recompute), chunking and hitting the prefix cache. Every greedy

@@ -5,7 +5,7 @@ output is the same whatever it was batched with, chunked into or preempted by.""
 from __future__ import annotations
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
 from nanoserve.engine.sequence import Request
 from nanoserve.sampling_params import SamplingParams
 
@@ -32,13 +32,15 @@ class FakeRunner:
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
         self.num_calls += 1
         sampled = {}
-        for req in out.scheduled:
-            n = out.num_scheduled_tokens[req.request_id]
+        for entry in out.scheduled:
+            req, n = entry.request, entry.num_new_tokens
             if n < 1 or req.num_computed_tokens + n > req.num_tokens:
                 raise AssertionError(f"bad schedule for {req.request_id}: {n} tokens")
             if len(req.block_table) * self.block_size < req.num_computed_tokens + n:
                 raise AssertionError(f"{req.request_id} has no KV slot for its new tokens")
-            if req.num_computed_tokens + n == req.num_tokens:
+            if entry.samples != (req.num_computed_tokens + n == req.num_tokens):
+                raise AssertionError(f"{req.request_id}: samples is {entry.samples}")
+            if entry.samples:
                 sampled[req.request_id] = next_token(req.token_ids)
         return sampled
 
@@ -47,8 +49,9 @@ class FakeEngine:
     """Scheduler + FakeRunner with the same step() loop as LLM.step()."""
 
     def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, **config: object) -> None:
-        self.config = EngineConfig(**config)
-        self.scheduler = Scheduler(self.config, num_kv_blocks, block_size)
+        # No model here: max_model_len defaults to the old engine default, not a model's.
+        self.config = EngineConfig(**{"max_model_len": 2048, **config})
+        self.scheduler = make_scheduler(self.config, num_kv_blocks, block_size)
         self.runner = FakeRunner(block_size)
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []
@@ -67,7 +70,7 @@ class FakeEngine:
         out = self.scheduler.schedule()
         self.outputs.append(out)
         if out.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            if not out.preempted and self.scheduler.has_unfinished_requests():
                 raise AssertionError("nothing scheduled although requests are pending")
             return []
         return self.scheduler.update_from_output(out, self.runner.execute_model(out))

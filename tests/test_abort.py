@@ -1,4 +1,4 @@
-"""Aborts and errors (issue #5): requests that leave the engine early must not leak KV.
+"""Aborts and errors: requests that leave the engine early must not leak KV.
 
 - `LLM.abort(request_id)` for waiting, running and preempted requests, through the real
   LLM (tiny random model) and through the Scheduler on the model-free FakeEngine (every
@@ -248,7 +248,7 @@ def test_forward_error_in_step_keeps_requests_consistent(reference, monkeypatch,
 def test_forward_error_in_generate_static_policy_frees_finished_rows(monkeypatch):
     """Static policy: a request that finished keeps its blocks (an idle row) until its whole
     batch is done. If generate() fails in between, that request is generate's too, and must
-    not stay behind in `running` holding blocks."""
+    not stay behind holding blocks."""
     llm = small_llm(scheduling_policy="static", num_kv_blocks=16)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     fail_once(llm, monkeypatch, at_call=4)  # the short request finished at call 2
@@ -261,21 +261,22 @@ def test_forward_error_in_generate_static_policy_frees_finished_rows(monkeypatch
 
 def test_abort_finished_static_row_before_its_batch_ends():
     """A static row that finished but whose output is not out yet (its batch is still
-    running) can still be aborted: its blocks come back at once."""
+    running) can still be aborted: its blocks come back at once, and its output comes out
+    with the reason it finished for (aborting does not rewrite a finished result)."""
     llm = small_llm(scheduling_policy="static", num_kv_blocks=16)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     a = llm.add_request(PROMPTS[0], short)
     b = llm.add_request(PROMPTS[1], GREEDY)
-    while not any(r.is_finished for r in llm.scheduler.running):
+    while not llm.scheduler.idle_rows:
         assert llm.step() == []
-    held = len(llm.scheduler.running[0].block_table)
+    held = len(llm.scheduler.idle_rows[0].block_table)
     free_before = llm.scheduler.block_manager.num_free_blocks
     assert llm.abort(a) is True
     assert llm.scheduler.block_manager.num_free_blocks == free_before + held
     outputs = {}
     while llm.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in llm.step())
-    assert outputs[a].finish_reason == "abort" and len(outputs[a].token_ids) == 2
+    assert outputs[a].finish_reason == "length" and len(outputs[a].token_ids) == 2
     assert outputs[b].finish_reason == "length" and len(outputs[b].token_ids) == 12
     assert all_free(llm)
 

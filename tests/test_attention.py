@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import make_metadata
+from helpers import make_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,7 +150,7 @@ def test_attention_layer_mixed_batch(group):
     """The Attention module: store new K/V by slot, then decode and prefill rows in one call."""
     block_size, num_kv_heads = 4, 2
     seqs = [([5, 2], 6, 1), ([7], 2, 1), ([0, 3, 6], 4, 7), ([1, 4], 0, 5)]  # decodes first
-    meta, _ = make_metadata(seqs, block_size)
+    meta = make_inputs([(t, c, [0] * n) for t, c, n in seqs], block_size).attn_metadata
     gen = torch.Generator().manual_seed(group)
     shape = (8, block_size, num_kv_heads, HEAD_DIM)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)

@@ -1,4 +1,4 @@
-"""The torch twins enforce flash-attn 2's argument contract (issue 13), one test per check.
+"""The torch twins enforce flash-attn 2's argument contract, one test per check.
 
 flash-attn rejects some calls (int64 index tensors, a strided last dimension, fp32, pages
 that are not a multiple of 256, head dims over 256) and computes others differently

@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine import model_runner
+from nanoserve import config
 from nanoserve.layers import cpu_linear
 from nanoserve.layers.cpu_linear import PackedLinear, pack_linears
 
@@ -30,11 +29,10 @@ def test_pack_linears_swaps_fp32_only():
     assert isinstance(bf16[0], nn.Linear)
 
 
-@pytest.mark.parametrize("native_bf16, expected", [(True, torch.bfloat16), (False, torch.float32)])
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_dtype_on_cpu(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(model_runner, "cpu_has_bf16_matmul", lambda: native_bf16)
-    _, dtype = model_runner.resolve_device_and_dtype(EngineConfig(device="cpu"))
-    assert dtype == expected
-    _, dtype = model_runner.resolve_device_and_dtype(EngineConfig(device="cpu", dtype="float32"))
-    assert dtype == torch.float32
+    monkeypatch.setattr(config, "cpu_has_bf16_matmul", lambda: native_bf16)
+    assert config.resolve_dtype("auto", "cpu") == expected
+    assert config.resolve_dtype("float32", "cpu") == "float32"
+    assert config.resolve_dtype("auto", "cuda") == "bfloat16"
     assert isinstance(cpu_linear.cpu_has_bf16_matmul(), bool)

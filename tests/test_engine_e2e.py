@@ -71,7 +71,7 @@ def run_steps(llm: LLM, prompts: list[list[int]], priorities: list[int] | None =
         out = llm.last_scheduler_output
         seen["max_batch"] = max(seen["max_batch"], len(out.scheduled))
         seen["preempted"] += len(out.preempted)
-        seen["chunks"] += sum(1 for r in out.scheduled if r.num_computed_tokens < r.num_tokens)
+        seen["chunks"] += sum(1 for s in out.scheduled if not s.samples)
     bm = llm.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     return [outputs[i] for i in ids], seen

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from nanoserve.config import resolve_block_size
 from nanoserve.engine import cuda_graph
 from nanoserve.engine.cuda_graph import (
     CUDAGraphRunner,
@@ -19,7 +20,6 @@ from nanoserve.engine.cuda_graph import (
     pad_decode_inputs,
     padded_batch_size,
 )
-from nanoserve.engine.model_runner import resolve_block_size
 from nanoserve.layers import attention
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 

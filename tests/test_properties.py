@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import FinishReason, RequestStatus
+from nanoserve.engine.static_scheduler import StaticScheduler
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -36,10 +37,13 @@ def check_invariants(sched: Scheduler) -> None:
     for b in bm.blocks:
         assert b.ref_count >= 0
         assert (b.block_id in bm.free_blocks) == (b.ref_count == 0), b
-    # ref_count == number of live requests holding the block. `running` includes the static
-    # policy's finished-but-idle rows, which keep their blocks until the batch ends.
+    # ref_count == number of live requests holding the block: the running ones, and the
+    # static scheduler's finished idle rows, which keep their blocks until the batch ends.
+    idle = sched.idle_rows if isinstance(sched, StaticScheduler) else []
+    for r in idle:
+        assert r.status == RequestStatus.FINISHED
     owners: Counter[int] = Counter()
-    for r in sched.running:
+    for r in list(sched.running) + idle:
         assert len(set(r.block_table)) == len(r.block_table), "block twice in one table"
         owners.update(r.block_table)
     for b in bm.blocks:
@@ -49,8 +53,8 @@ def check_invariants(sched: Scheduler) -> None:
     for block_id, n in owners.items():
         if n > 1:
             assert bm.enable_prefix_caching and bm.blocks[block_id].block_hash is not None
-    for r in sched.running:
-        assert r.status in (RequestStatus.RUNNING, RequestStatus.FINISHED)
+    for r in list(sched.running) + idle:
+        assert r.status == RequestStatus.RUNNING or r in idle
         assert 0 <= r.num_computed_tokens <= r.num_tokens
         assert len(r.block_table) * bs >= r.num_computed_tokens, "computed tokens without KV"
         for i, block_id in enumerate(r.block_table):
@@ -133,8 +137,8 @@ def run_workload(w: dict) -> FakeEngine:
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     for i, r in enumerate(reqs):
         req = eng.requests[f"r{i}"]
-        # The scheduler caps a request at what the whole cache holds (scheduler.max_model_len).
-        n = min(r["max_tokens"], sched.max_model_len - len(r["prompt"]))
+        # The scheduler caps a request at what the whole cache holds.
+        n = min(r["max_tokens"], sched.max_model_len_in_cache - len(r["prompt"]))
         want = expected_output(r["prompt"], n)
         assert req.status == RequestStatus.FINISHED
         if f"r{i}" in aborted:

@@ -7,8 +7,14 @@ from __future__ import annotations
 from fake_engine import FakeEngine, expected_output
 
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    """request_id -> number of new tokens, in scheduling order."""
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
 
 
 def assert_no_leak(engine: FakeEngine) -> None:
@@ -36,12 +42,14 @@ def test_running_first_then_admission_within_budget():
     engine.add("b", [2] * 6, max_tokens=3)
     out = engine.scheduler.schedule()
     # a takes 6 tokens; b gets the 4 left: its prefill is chunked and mixes with a's.
-    assert [r.request_id for r in out.scheduled] == ["a", "b"]
-    assert out.num_scheduled_tokens == {"a": 6, "b": 4}
+    assert list(scheduled(out)) == ["a", "b"]
+    assert scheduled(out) == {"a": 6, "b": 4}
+    assert out.num_scheduled_tokens == 10 == out.token_budget
+    assert [s.samples for s in out.scheduled] == [True, False]
     engine.scheduler.update_from_output(out, {"a": 7})
     out = engine.scheduler.schedule()
     # Step 2: a decodes (1 token) and b finishes its prefill (2 tokens), in one batch.
-    assert out.num_scheduled_tokens == {"a": 1, "b": 2}
+    assert scheduled(out) == {"a": 1, "b": 2}
 
 
 def test_max_num_seqs_caps_running():
@@ -67,7 +75,7 @@ def test_fcfs_preempts_the_last_running_request():
     fill_running(engine, [0, 0, 0, 0])
     out = engine.scheduler.schedule()  # every request needs a 2nd block; none is free
     assert [r.request_id for r in out.preempted] == ["r3", "r2"]
-    assert [r.request_id for r in out.scheduled] == ["r0", "r1"]
+    assert list(scheduled(out)) == ["r0", "r1"]
     # §6.3: preempted requests forget their KV and wait at the front, latest-preempted first.
     waiting = list(engine.scheduler.waiting)
     assert [r.request_id for r in waiting] == ["r2", "r3"]
@@ -82,7 +90,7 @@ def test_priority_preempts_the_largest_priority_then_latest_arrival():
     fill_running(engine, [1, 5, 0, 5])  # r1 and r3 are least important; r3 arrived last
     out = engine.scheduler.schedule()
     assert [r.request_id for r in out.preempted] == ["r3", "r1"]
-    assert sorted(r.request_id for r in out.scheduled) == ["r0", "r2"]
+    assert sorted(scheduled(out)) == ["r0", "r2"]
 
 
 def test_priority_victim_already_scheduled_gives_its_budget_back():
@@ -95,12 +103,49 @@ def test_priority_victim_already_scheduled_gives_its_budget_back():
     # "low" runs first and takes the last block; "high" then needs one, and the victim
     # is "low", although it was already scheduled: it leaves the batch and the budget.
     assert [r.request_id for r in out.preempted] == ["low"]
-    assert [r.request_id for r in out.scheduled] == ["high"]
-    assert out.num_scheduled_tokens == {"high": 1}
+    assert scheduled(out) == {"high": 1}
     engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
     engine.run()
     assert engine.requests["low"].output_token_ids == expected_output([1] * 3, 8)
     assert_no_leak(engine)
+
+
+def test_priority_self_preemption_ends_the_running_loop():
+    """§6.2 (`if blocks is None: break`), as in vLLM V1: 2 blocks, running = [low, high],
+    each holding one full block. "low" needs a 2nd block; the least important request is
+    "low" itself, so it evicts itself, and the running loop stops there: "high" does not
+    run in that step. (nanoserve before this rule went on and ran "high" in the same step
+    with the block "low" gave back.)"""
+    engine = FakeEngine(num_kv_blocks=2, block_size=4, scheduling_policy="priority")
+    low = engine.add("low", [1] * 3, max_tokens=5, priority=9, arrival_time=0.0)
+    engine.step()  # low: prefill
+    high = engine.add("high", [2] * 3, max_tokens=5, priority=0, arrival_time=1.0)
+    engine.step()  # low decodes (its 4th token fills its block); high is admitted
+    assert list(engine.scheduler.running) == [low, high]
+    out = engine.scheduler.schedule()
+    assert out.preempted == [low]
+    assert scheduled(out) == {}  # the old loop gave {"high": 1} here
+    assert out.is_empty and not out.admitted
+    engine.scheduler.update_from_output(out, {})
+    out = engine.scheduler.schedule()  # the next step: high runs, low waits for room
+    assert scheduled(out) == {"high": 1} and not out.admitted
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    engine.run()
+    assert low.output_token_ids == expected_output([1] * 3, 5)
+    assert high.output_token_ids == expected_output([2] * 3, 5)
+    assert_no_leak(engine)
+
+
+def test_prefix_lookup_is_counted_once_at_admission():
+    """A request that waits for room is looked up every step but counted once."""
+    engine = FakeEngine(num_kv_blocks=3, block_size=4)
+    engine.add("a", list(range(8)), max_tokens=2)
+    b = engine.add("b", list(range(8)) + [9, 9, 9], max_tokens=1)  # needs 3 blocks
+    engine.run()
+    assert [b in out.admitted for out in engine.outputs] == [False, False, True]
+    bm = engine.scheduler.block_manager
+    assert bm.prefix_cache_queries == 8 + 11  # not 8 + 3 * 11: b was looked up 3 times
+    assert bm.prefix_cache_hits == 8 == b.num_cached_tokens  # a's two full blocks
 
 
 def test_a_request_that_needs_the_whole_cache_preempts_itself_and_finishes():
@@ -139,15 +184,15 @@ def make_request(rid: str, tokens: list[int]) -> Request:
 def test_prefix_cache_hit_needs_computed_full_blocks_and_recomputes_the_last_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = make_request("a", list(range(8)))
-    assert bm.get_computed_blocks(a) == [] and bm.allocate_slots(a, 8)
+    assert bm.get_computed_blocks(a) == ([], 0) and bm.allocate_slots(a, 8)
     b = make_request("b", list(range(8)))
-    assert bm.get_computed_blocks(b) == []  # a's KV is not computed yet: no promise
+    assert bm.get_computed_blocks(b) == ([], 0)  # a's KV is not computed yet: no promise
     a.num_computed_tokens = 8
     bm.cache_full_blocks(a)
     # Fully cached 8-token prompt: only the first block is reused, the last token recomputes.
-    assert bm.get_computed_blocks(b) == a.block_table[:1]
+    assert bm.get_computed_blocks(b) == (a.block_table[:1], 4)
     c = make_request("c", list(range(4)) + [9, 9, 9, 9, 9])
-    assert bm.get_computed_blocks(c) == a.block_table[:1]
+    assert bm.get_computed_blocks(c) == (a.block_table[:1], 4)
 
 
 def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first():
@@ -163,8 +208,8 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     # The two non-full tail blocks are taken first, then a's block (freed before b's).
     d = make_request("d", [8] * 6)
     bm.allocate_slots(d, 6)
-    assert bm.get_computed_blocks(make_request("a2", [1, 2, 3])) == []
-    assert len(bm.get_computed_blocks(make_request("b2", [5, 6, 7]))) == 1
+    assert bm.get_computed_blocks(make_request("a2", [1, 2, 3])) == ([], 0)
+    assert bm.get_computed_blocks(make_request("b2", [5, 6, 7]))[1] == 2
 
 
 def test_hash_collision_is_a_miss_not_a_wrong_hit():
@@ -175,4 +220,4 @@ def test_hash_collision_is_a_miss_not_a_wrong_hit():
     bm.cache_full_blocks(a)
     block = bm.blocks[a.block_table[0]]
     block.token_ids = (7, 7)  # pretend another prefix had landed on the same hash
-    assert bm.get_computed_blocks(make_request("b", [1, 2, 3])) == []
+    assert bm.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)

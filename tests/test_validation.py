@@ -1,4 +1,4 @@
-"""Input validation (issue #5): every bad prompt, sampling parameter or engine setting is a
+"""Input validation: every bad prompt, sampling parameter or engine setting is a
 ValueError that names the field and its allowed range, raised by `add_request`,
 `generate` or `LLM(...)` *before* any engine state changes: no KV block is taken, nothing
 is queued, and the engine goes on serving the good requests.
@@ -97,6 +97,11 @@ CONFIG_CASES = [
     ("max_num_batched_tokens=512 < max_model_len=2048, chunked prefill off",
      dict(max_num_batched_tokens=512, max_model_len=2048, enable_chunked_prefill=False),
      r"max_num_batched_tokens \(512\) must be >= max_model_len \(2048\)"),
+    ("chunked prefill off, max_model_len not given (the model's 2048 > the 1024 budget)",
+     dict(enable_chunked_prefill=False),
+     r"max_num_batched_tokens \(1024\) must be >= max_model_len \(2048\)"),
+    ("max_model_len=4096 > the model's max_position_embeddings", dict(max_model_len=4096),
+     r"max_model_len \(4096\) must be <= the model's max_position_embeddings \(2048\)"),
     ("block_size=0", dict(block_size=0), r"block_size must be None or an integer >= 1"),
     ("block_size=-16", dict(block_size=-16), r"block_size must be None or an integer >= 1"),
     ("max_num_seqs=0", dict(max_num_seqs=0), r"max_num_seqs must be >= 1"),
@@ -179,6 +184,27 @@ def test_bad_config_is_rejected_before_loading_the_model(no_model_loading, case)
     _, kwargs, pattern = case
     with pytest.raises(ValueError, match=pattern):
         LLM(tiny_model_dir(), **kwargs)
+
+
+def test_max_model_len_defaults_to_the_models_limit():
+    """As in vLLM: with max_model_len not given, a 512-position model gets 512 (an engine
+    default of 2048 made such a model fail to load with default settings)."""
+    llm = LLM(tiny_model_dir(max_position_embeddings=512), num_kv_blocks=64)
+    assert llm.config.max_model_len == 512
+    with pytest.raises(ValueError, match=r"more than max_model_len \(512\)"):
+        llm.add_request([5] * 513)
+
+
+def test_max_model_len_above_the_models_limit_fails_before_any_allocation(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("weights or KV memory were allocated before the config error")
+
+    monkeypatch.setattr(model_runner, "load_model", fail)
+    monkeypatch.setattr(model_runner.ModelRunner, "_allocate_kv_cache", fail)
+    monkeypatch.setattr(model_runner.ModelRunner, "_kv_blocks_from_memory", fail)
+    with pytest.raises(ValueError, match=r"max_model_len \(513\) must be <= the model's "
+                                         r"max_position_embeddings \(512\)"):
+        LLM(tiny_model_dir(max_position_embeddings=512), max_model_len=513)
 
 
 def error_table() -> str:

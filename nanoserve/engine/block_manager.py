@@ -62,11 +62,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil division
 
-    def get_computed_blocks(self, req: Request) -> list[int]:
-        """Longest cached prefix of `req`, in whole blocks. The last token is never taken
-        from the cache, so even a fully cached prompt computes >= 1 token (its logits)."""
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a waiting `req`: its blocks and the tokens they cover.
+        The last token is never taken from the cache, so even a fully cached prompt
+        computes >= 1 token (its logits)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], 0
         num_full = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
         parent: int | None = None
@@ -77,36 +78,35 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
-        return hits
-
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count a lookup once, when its request is admitted: a request that waits for
-        room is looked up every step, and counting each try would skew the hit rate."""
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit_tokens
+        return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
-        """Give `req` blocks for `num_new_tokens` more tokens (after taking the cached
-        `computed_blocks`, at admission). All or nothing: False changes no state."""
-        computed_blocks = computed_blocks or []
-        # computed_blocks is only given at admission, when num_computed_tokens is 0.
-        num_cached_tokens = len(computed_blocks) * self.block_size
-        total = req.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed_blocks)
+                       new_computed_blocks: list[int] | None = None) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens. At admission, pass the
+        result of get_computed_blocks (maybe empty) as `new_computed_blocks`: the cached
+        blocks join the request first. All or nothing: False changes no state."""
+        computed = new_computed_blocks or []
+        # Cached blocks only come at admission, when num_computed_tokens is still 0.
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed)
         # Cached blocks sitting in the free pool are about to leave it, so they can't
         # also be counted as room for new blocks.
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_revived:
             return False
-        for block_id in computed_blocks:
+        if new_computed_blocks is not None and self.enable_prefix_caching:
+            # Count a lookup once, when its request is admitted: a request that waits
+            # for room is looked up every step, and counting each try would skew the rate.
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += len(computed) * self.block_size
+        for block_id in computed:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             req.block_table.append(block_id)
-        if computed_blocks:
-            req.block_hashes = [self.blocks[b].block_hash for b in computed_blocks]
+        if computed:
+            req.block_hashes = [self.blocks[b].block_hash for b in computed]
         for _ in range(num_new_blocks):
             req.block_table.append(self._take_free_block())
         return True

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
 from nanoserve.engine.sequence import Request
+from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.bundled import default_model_dir
 
@@ -31,21 +32,18 @@ class LLM:
     """Offline engine: `LLM(model=None, **config)`; model None = the bundled SmolLM2."""
 
     def __init__(self, model: str | None = None, **config: object) -> None:
-        self.config = EngineConfig(model=model, **config)
         self.model_dir = model if model is not None else default_model_dir()
+        # Every setting is decided from config.json alone, before any weight is loaded.
+        hf_config = load_config(self.model_dir)
+        self.config = resolve_config(EngineConfig(**config), hf_config)
         self.tokenizer = None  # skip_tokenizer_init: prompts are token ids, text is ""
         if not self.config.skip_tokenizer_init:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_runner = ModelRunner(self.config, self.model_dir)
-        hf_config = self.model_runner.hf_config
-        max_positions = getattr(hf_config, "max_position_embeddings", None)
-        if max_positions is not None and self.config.max_model_len > max_positions:
-            raise ValueError(f"max_model_len ({self.config.max_model_len}) must be <= the "
-                             f"model's max_position_embeddings ({max_positions})")
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(hf_config)
-        self.scheduler = Scheduler(self.config, self.model_runner.num_kv_blocks,
-                                   self.model_runner.block_size)
+        self.scheduler = make_scheduler(self.config, self.model_runner.num_kv_blocks,
+                                        self.config.block_size)
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -130,7 +128,8 @@ class LLM:
         if not out.is_empty:
             sampled = self.model_runner.execute_model(out)
             finished = self.scheduler.update_from_output(out, sampled)
-        elif self.scheduler.has_unfinished_requests():
+        elif not out.preempted and self.scheduler.has_unfinished_requests():
+            # (A step that only preempted is progress: a request evicted itself.)
             raise RuntimeError("the scheduler could schedule nothing although requests are "
                                "pending; this is a bug (it would otherwise hang)")
         self.num_steps += 1
@@ -190,9 +189,8 @@ class LLM:
         return results
 
     def _count_tokens(self, tokens: dict[str, int]) -> None:
-        out = self.last_scheduler_output
-        for n in out.num_scheduled_tokens.values():
-            tokens["decode" if n == 1 else "prefill"] += n
+        for entry in self.last_scheduler_output.scheduled:
+            tokens["decode" if entry.is_decode else "prefill"] += entry.num_new_tokens
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -209,11 +207,10 @@ class LLM:
 
     def _trace_line(self, out: SchedulerOutput, finished: list[Request]) -> str:
         """One line per step, so a reader *sees* iteration-level scheduling."""
-        decode = [r.request_id for r in out.scheduled
-                  if out.num_scheduled_tokens[r.request_id] == 1]
-        prefill = [f"{r.request_id}[{r.num_computed_tokens - n}:{r.num_computed_tokens})"
-                   for r in out.scheduled
-                   if (n := out.num_scheduled_tokens[r.request_id]) > 1]
+        decode = [s.request.request_id for s in out.scheduled if s.is_decode]
+        # After update_from_output: the chunk ends at num_computed_tokens.
+        prefill = [f"{s.request.request_id}[{s.request.num_computed_tokens - s.num_new_tokens}:"
+                   f"{s.request.num_computed_tokens})" for s in out.scheduled if not s.is_decode]
         parts = [f"step {self.num_steps:4d}", f"decode {' '.join(decode) or '-'}",
                  f"prefill {' '.join(prefill) or '-'}"]
         if out.idle_rows:

@@ -12,50 +12,90 @@ exactly one new token, then the static policy's idle rows), then prefill chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import DTYPES, EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.engine.sequence import Request
 from nanoserve.layers.attention import AttentionMetadata, select_backend
-from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul, pack_linears
+from nanoserve.layers.cpu_linear import pack_linears
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+@dataclass
+class ModelInputs:
+    """One step's batch, flattened: what the model's forward takes, and which rows sample."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    sample_indices: list[int]  # the row of each sampling request's last token
+    sample_requests: list[Request]
 
 
-def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = config.dtype
-    if dtype == "auto":
-        # bf16 on a CPU only where it has bf16 matmul units; emulated bf16 is slower than fp32.
-        dtype = "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
-    return torch.device(device), DTYPES[dtype]
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Flatten a step into rows: decodes, then static idle rows, then prefill chunks. Reads
+    `out` and the requests' token_ids, num_computed_tokens and block_table; changes nothing."""
+    # (request, first position, number of new tokens, samples?)
+    decode_rows = [(s.request, s.request.num_computed_tokens, 1, s.samples)
+                   for s in out.scheduled if s.is_decode]
+    # An idle row recomputes its last computed position: pure waste (§2).
+    decode_rows += [(req, req.num_computed_tokens - 1, 1, False) for req in out.idle_rows]
+    prefill_rows = [(s.request, s.request.num_computed_tokens, s.num_new_tokens, s.samples)
+                    for s in out.scheduled if not s.is_decode]
+    input_ids, positions, slots, sample_indices, sample_requests = [], [], [], [], []
+    cu_q, cu_k = [0], [0]
+    for req, start, n, samples in decode_rows + prefill_rows:
+        chunk = range(start, start + n)
+        input_ids.extend(req.token_ids[start:start + n])
+        positions.extend(chunk)
+        slots.extend(req.block_table[p // block_size] * block_size + p % block_size
+                     for p in chunk)
+        if samples:
+            sample_indices.append(len(positions) - 1)
+            sample_requests.append(req)
+    for _, start, n, _ in prefill_rows:
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + start + n)
 
+    def to_device(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-def resolve_block_size(backend_name: str, block_size: int | None) -> int:
-    """flash-attn's paged KV needs blocks of a multiple of 256 tokens; the torch twins
-    take any size, and small blocks waste less memory on a request's last block."""
-    if backend_name == "flash-attn":
-        if block_size is not None and block_size % 256 != 0:
-            raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
-                             f"got {block_size}")
-        return block_size or 256
-    return block_size or 16
+    def block_tables(rows: list) -> torch.Tensor:
+        """Padded to one width; the padding points at block 0 and is never read, because
+        attention stops at each request's context length."""
+        width = max((len(r[0].block_table) for r in rows), default=0)
+        table = [r[0].block_table + [0] * (width - len(r[0].block_table)) for r in rows]
+        return torch.tensor(table, dtype=torch.int32).reshape(len(rows), width).to(device)
+
+    meta = AttentionMetadata(
+        slot_mapping=to_device(slots, torch.int64),
+        num_decode_tokens=len(decode_rows),
+        decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows]),
+        decode_block_tables=block_tables(decode_rows),
+        num_prefill_tokens=cu_q[-1],
+        cu_seqlens_q=to_device(cu_q),
+        cu_seqlens_k=to_device(cu_k),
+        max_seqlen_q=max((n for _, _, n, _ in prefill_rows), default=0),
+        max_seqlen_k=max((start + n for _, start, n, _ in prefill_rows), default=0),
+        prefill_block_tables=block_tables(prefill_rows),
+    )
+    return ModelInputs(to_device(input_ids, torch.int64), to_device(positions, torch.int64),
+                       meta, sample_indices, sample_requests)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        """`config` is resolved (resolve_config): no "auto" or None is left in it."""
         self.config = config
-        self.device, self.dtype = resolve_device_and_dtype(config)
-        # Backend and block size first: their errors must come before loading any weights.
+        self.device, self.dtype = torch.device(config.device), DTYPES[config.dtype]
         self.backend = select_backend(self.device, self.dtype, config.attention_backend)
-        self.block_size = resolve_block_size(self.backend.name, config.block_size)
+        self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
@@ -123,88 +163,29 @@ class ModelRunner:
 
     def warmup(self, seq_lens: list[int]) -> None:
         """One forward over fresh sequences of these lengths, in blocks 0, 1, ..."""
-        rows = []
+        step = SchedulerOutput()
         for i, n in enumerate(seq_lens):
             req = Request(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
             req.block_table = [i]
-            rows.append((req, 0, n))
-        self.model(*self.prepare_inputs([], rows)[:3])
+            step.scheduled.append(ScheduledRequest(req, n, samples=False))
+        inputs = prepare_inputs(step, self.block_size, self.device)
+        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     # -- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
         """Run the step; return the sampled token of every request that samples."""
-        decode_rows, prefill_rows = [], []
-        for req in out.scheduled:
-            n = out.num_scheduled_tokens[req.request_id]
-            rows = decode_rows if n == 1 else prefill_rows
-            rows.append((req, req.num_computed_tokens, n))
-        for req in out.idle_rows:  # recompute the last computed position: pure waste
-            decode_rows.append((req, req.num_computed_tokens - 1, 1))
-        input_ids, positions, meta, sample_rows, sample_reqs = self.prepare_inputs(
-            decode_rows, prefill_rows)
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        meta = inputs.attn_metadata
         if self.graphs is not None and meta.num_prefill_tokens == 0 and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
-        if not sample_reqs:
+            hidden = self.model(inputs.input_ids, inputs.positions, meta)
+        if not inputs.sample_requests:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        token_ids = self.sampler(logits, [r.sampling_params for r in sample_reqs],
-                                 [r.generator for r in sample_reqs])
-        return {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
-
-    def prepare_inputs(self, decode_rows: list[tuple[Request, int, int]],
-                       prefill_rows: list[tuple[Request, int, int]]):
-        """Rows are (request, first position, number of tokens). Returns input_ids,
-        positions, AttentionMetadata, the row index of each sampling request's last token,
-        and those requests. Sampling rows: requests whose known tokens all get computed."""
-        bs = self.block_size
-        input_ids, positions, slots, sample_rows, sample_reqs = [], [], [], [], []
-        for req, pos, _ in decode_rows:
-            input_ids.append(req.token_ids[pos])
-            positions.append(pos)
-            slots.append(req.block_table[pos // bs] * bs + pos % bs)
-            if pos + 1 == req.num_tokens and not req.is_finished:
-                sample_rows.append(len(positions) - 1)
-                sample_reqs.append(req)
-        cu_q, cu_k = [0], [0]
-        for req, start, n in prefill_rows:
-            end = start + n
-            input_ids.extend(req.token_ids[start:end])
-            chunk_positions = range(start, end)
-            positions.extend(chunk_positions)
-            table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in chunk_positions)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            if end == req.num_tokens:
-                sample_rows.append(len(positions) - 1)
-                sample_reqs.append(req)
-
-        def to_device(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64),
-            num_decode_tokens=len(decode_rows),
-            decode_context_lens=to_device([pos + 1 for _, pos, _ in decode_rows]),
-            decode_block_tables=self._block_tables([r for r, _, _ in decode_rows]),
-            num_prefill_tokens=cu_q[-1],
-            cu_seqlens_q=to_device(cu_q),
-            cu_seqlens_k=to_device(cu_k),
-            max_seqlen_q=max((n for _, _, n in prefill_rows), default=0),
-            max_seqlen_k=max((start + n for _, start, n in prefill_rows), default=0),
-            prefill_block_tables=self._block_tables([r for r, _, _ in prefill_rows]),
-        )
-        return (to_device(input_ids, torch.int64), to_device(positions, torch.int64), meta,
-                sample_rows, sample_reqs)
-
-    def _block_tables(self, reqs: list[Request], width: int | None = None) -> torch.Tensor:
-        """Pad block tables to one width; padding points at block 0 and is never read,
-        because attention stops at each request's context length."""
-        width = width or max((len(r.block_table) for r in reqs), default=0)
-        rows = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width).to(self.device)
-
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        reqs = inputs.sample_requests
+        token_ids = self.sampler(logits, [r.sampling_params for r in reqs],
+                                 [r.generator for r in reqs])
+        return {r.request_id: t for r, t in zip(reqs, token_ids)}

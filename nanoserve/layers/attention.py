@@ -82,7 +82,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         if self.backend is None:
-            raise RuntimeError("Attention has no KV cache bound; ModelRunner.bind_kv_cache first")
+            raise RuntimeError("Attention has no KV cache bound: the ModelRunner calls bind() "
+                               "when it allocates the cache")
         store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens

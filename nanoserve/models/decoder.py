@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama family: Llama/SmolLM2, Mistral, Qwen2, Qwen3.
+"""§1 and §4: the model one step runs. A decoder-only transformer for the Llama family:
+Llama/SmolLM2, Mistral, Qwen2, Qwen3.
 
 The variants differ only in a few switches read from the HF config:
   - Qwen2: bias on q/k/v projections;
@@ -6,8 +7,9 @@ The variants differ only in a few switches read from the HF config:
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
 Module names equal Hugging Face's, so checkpoint tensors load by name (see loader.py).
 
-Tokens are flattened: every tensor is [num_tokens, ...] with no batch dimension; where
-one request ends and the next begins is known only to attention, via AttentionMetadata.
+Tokens are flattened (§1: one weight read serves every token of the step): every tensor is
+[num_tokens, ...] with no batch dimension; where one request ends and the next begins is
+known only to attention, via AttentionMetadata.
 """
 
 from __future__ import annotations

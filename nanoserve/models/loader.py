@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: config.json + *.safetensors -> DecoderForCausalLM.
+"""Outside the chapter (the model §4's forward step runs): load a Hugging Face directory,
+config.json + *.safetensors -> DecoderForCausalLM.
 
 Our module names equal the checkpoint's tensor names, so loading is a loop that copies
 each tensor into the parameter of the same name; nothing is renamed or reshaped.

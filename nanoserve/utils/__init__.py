@@ -1,1 +1,1 @@
-"""utils."""
+"""Outside the chapter: the bundled default model."""
