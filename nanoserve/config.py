@@ -1,11 +1,7 @@
-"""Engine configuration (vLLM's names): the knobs of §6.2 (token budget, max_num_seqs) and
-§7 (chunked prefill, scheduling policy), the KV cache (§5) and the device.
-
-Checked twice, both times before any memory is allocated: each field when it is built
-(`EngineConfig.__post_init__`), then against the machine and the model's config.json in
-`resolve_config`, which fills every "auto"/None value. Every bad value is a ValueError
-that names the field and the allowed range.
-"""
+"""Engine configuration (vLLM's names): the knobs of §6.2 and §7, the KV cache (§5), the
+device. Checked when built, then resolved against the machine and the model's config.json
+(`resolve_config` fills every "auto"/None), both before any memory is allocated. Every bad
+value is a ValueError that names the field and the allowed range."""
 
 from __future__ import annotations
 
@@ -105,9 +101,8 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
     """A copy of `config` with device, dtype, attention backend, block size and
     max_model_len decided, from the machine and the model's config.json only: it runs
     before any weight is loaded or KV block allocated, so its errors come first."""
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = auto_device if config.device == "auto" else config.device
     dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(torch.device(device), DTYPES[dtype], config.attention_backend).name
     # As in vLLM: the model's own limit unless the user asks for less.

@@ -66,9 +66,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     def to_device(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    def block_tables(rows: list) -> torch.Tensor:
-        """Padded to one width; the padding points at block 0 and is never read, because
-        attention stops at each request's context length."""
+    def block_tables(rows: list) -> torch.Tensor:  # padding -> block 0, never read
         width = max((len(r[0].block_table) for r in rows), default=0)
         table = [r[0].block_table + [0] * (width - len(r[0].block_table)) for r in rows]
         return torch.tensor(table, dtype=torch.int32).reshape(len(rows), width).to(device)

@@ -31,15 +31,13 @@ class ScheduledRequest:
     samples: bool  # this step computes the request's last known token, so a token is sampled
 
     @property
-    def is_decode(self) -> bool:
-        """"Decode" is only the case of one new token (§6): there is no decode phase."""
+    def is_decode(self) -> bool:  # the case of one new token (§6): there is no decode phase
         return self.num_new_tokens == 1
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes. The model runner reads these entries and the scheduled
-    requests' own state (token_ids, num_computed_tokens, block_table)."""
+    """What one step computes (the model runner also reads the requests' own state)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in scheduling order
     token_budget: int = 0  # the step's max_num_batched_tokens
