@@ -20,10 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine import scheduler as sched
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.sequence import Request, RequestStatus
+from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.bundled import default_model_dir
 
@@ -39,12 +40,8 @@ def decode_batch(runner: ModelRunner, rows: int, context: int):
         req.block_table = list(range(i * blocks, (i + 1) * blocks))
         req.num_computed_tokens, req.status = context, RequestStatus.RUNNING
         reqs.append(req)
-    if hasattr(sched, "ScheduledRequest"):  # the ScheduledRequest interface
-        return sched.SchedulerOutput(
-            scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
-            token_budget=rows, idle_rows=[], preempted=[], admitted=[])
-    return sched.SchedulerOutput(scheduled=reqs, num_scheduled_tokens={r.request_id: 1
-                                                                         for r in reqs})
+    return sched.SchedulerOutput(scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
+                                 token_budget=rows)
 
 
 def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 20) -> float:
@@ -83,9 +80,9 @@ def main() -> None:
           "% of roofline |")
     print("|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
-        runners = {name: ModelRunner(EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=blocks,
-                                                  block_size=16, enforce_eager=eager),
-                                     model_dir)
+        runners = {name: ModelRunner(resolve_config(EngineConfig(
+            dtype=dtype, device="cpu", num_kv_blocks=blocks, block_size=16, enforce_eager=eager),
+            load_config(model_dir)), model_dir)
                    for name, eager in (("eager", True), ("optimized", False))}
         params = sum(p.numel() for p in runners["eager"].model.parameters())
         gflops = gemm_gflops(runners["eager"].dtype, clock)
