@@ -111,6 +111,42 @@ def flash_attn_varlen_func(
     return out
 
 
+_last_groups: tuple | None = None  # (block_table, cache_seqlens, block_size, dtype, groups)
+
+
+def _decode_groups(block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int,
+                   dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(start row, end row, flat block ids, additive mask) for each group of decode rows.
+
+    On a CPU, a few rows at a time, each group only as wide as its longest context: the
+    gathered K/V copy stays in the CPU cache for SDPA, and short requests skip padding
+    blocks. Every layer of a step passes the same two tensors, so the groups are built once
+    per step, not once per layer. On CUDA: one group, and no host sync (CUDA graphs).
+    """
+    global _last_groups
+    last = _last_groups
+    if last and last[0] is block_table and last[1] is cache_seqlens and last[2:4] == (
+            block_size, dtype):
+        return last[4]
+    on_cpu = cache_seqlens.device.type == "cpu"
+    batch, width = block_table.shape
+    step = DECODE_ROWS_PER_GATHER if on_cpu else batch
+    lens = cache_seqlens.tolist() if on_cpu else None
+    groups = []
+    for start in range(0, batch, step):
+        end = min(start + step, batch)
+        num_blocks = -(-max(lens[start:end]) // block_size) if on_cpu else width
+        ids = block_table[start:end, :num_blocks].flatten()  # one flat gather of whole blocks
+        # With one query at the last position, causal masking = "only the first L keys".
+        positions = torch.arange(num_blocks * block_size, device=block_table.device)
+        hidden = positions[None, :] >= cache_seqlens[start:end, None]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=block_table.device)
+        groups.append((start, end, ids, mask.masked_fill_(hidden, float("-inf"))[:, None, None]))
+    if on_cpu:
+        _last_groups = (block_table, cache_seqlens, block_size, dtype, groups)
+    return groups
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
@@ -127,8 +163,7 @@ def flash_attn_with_kvcache(
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)
-    on_cpu = cache_seqlens.device.type == "cpu"  # reading values elsewhere would sync the GPU
-    if on_cpu:
+    if cache_seqlens.device.type == "cpu":  # reading values elsewhere would sync the GPU
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
             raise _no_visible_key(int(cache_seqlens.argmin()))
@@ -142,21 +177,10 @@ def flash_attn_with_kvcache(
     # `group` query rows of that head (heads are laid out kv_head * group + g).
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(q_grouped)
-    # A few rows at a time, each group only as wide as its longest context: the gathered
-    # K/V copy stays in the CPU cache for SDPA, and short requests skip padding blocks.
-    # (On CUDA: one group, no host sync, so that the CUDA-graph capture sees no .tolist().)
-    lens = cache_seqlens.tolist() if on_cpu else None
-    step = DECODE_ROWS_PER_GATHER if on_cpu else batch
-    for s in range(0, batch, step):
-        e = min(s + step, batch)
-        num_blocks = -(-max(lens[s:e]) // block_size) if on_cpu else block_table.shape[1]
-        ids = block_table[s:e, :num_blocks].flatten()  # one flat gather of whole blocks
-        keys = k_cache.index_select(0, ids).view(e - s, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, ids).view(e - s, -1, num_kv_heads, head_dim)
-        # With one query at the last position, causal masking = "only the first L keys".
-        positions = torch.arange(keys.shape[1], device=q.device)
-        mask = (positions[None, :] < cache_seqlens[s:e, None])[:, None, None, :]
-        out[s:e] = F.scaled_dot_product_attention(
-            q_grouped[s:e], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+    for start, end, ids, mask in _decode_groups(block_table, cache_seqlens, block_size, q.dtype):
+        keys = k_cache.index_select(0, ids).view(end - start, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, ids).view(end - start, -1, num_kv_heads, head_dim)
+        out[start:end] = F.scaled_dot_product_attention(
+            q_grouped[start:end], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=softmax_scale)
     return out.view(batch, 1, num_heads, head_dim)
