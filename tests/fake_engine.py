@@ -1,6 +1,9 @@
-"""A model-free engine for fast scheduler tests: the real Scheduler and BlockManager, and
-a fake runner whose next token depends only on the request's own tokens, so a request's
-output is the same whatever it was batched with, chunked into or preempted by."""
+"""A model-free engine for fast scheduler tests: the real Scheduler and BlockManager, the
+real `prepare_inputs`, and a runner whose next token is a hash of the token ids it reads
+back from a fake KV cache through the block table (nanoserve.simulator.KVReadingRunner).
+With a correct engine a request's output is `expected_output(prompt)`, whatever it was
+batched with, chunked into or preempted by; a wrong slot, a stale or wrongly shared block
+or a bad prefix hit changes it."""
 
 from __future__ import annotations
 
@@ -8,30 +11,30 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
 from nanoserve.engine.sequence import Request
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.simulator import KVReadingRunner, next_token
 
 VOCAB = 1000
-EOS = 999  # never produced by next_token, so only max_tokens stops a fake request
-
-
-def next_token(token_ids: list[int]) -> int:
-    return (sum(token_ids) * 31 + len(token_ids)) % (VOCAB - 1)
+EOS = VOCAB - 1  # never produced by next_token, so only max_tokens stops a fake request
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """What a correct engine gives: each token is next_token of all the tokens before it."""
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens, VOCAB))
     return tokens[len(prompt):]
 
 
-class FakeRunner:
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+class FakeRunner(KVReadingRunner):
+    """The KV-reading runner, plus checks that the step itself is well formed."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size, VOCAB)
         self.num_calls = 0
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
         self.num_calls += 1
-        sampled = {}
+        sampling = set()
         for entry in out.scheduled:
             req, n = entry.request, entry.num_new_tokens
             if n < 1 or req.num_computed_tokens + n > req.num_tokens:
@@ -41,8 +44,10 @@ class FakeRunner:
             if entry.samples != (req.num_computed_tokens + n == req.num_tokens):
                 raise AssertionError(f"{req.request_id}: samples is {entry.samples}")
             if entry.samples:
-                sampled[req.request_id] = next_token(req.token_ids)
-        return sampled
+                sampling.add(req.request_id)
+        tokens = super().execute_model(out)
+        assert tokens.keys() == sampling, (tokens.keys(), sampling)
+        return tokens
 
 
 class FakeEngine:
@@ -52,7 +57,7 @@ class FakeEngine:
         # No model here: max_model_len defaults to the old engine default, not a model's.
         self.config = EngineConfig(**{"max_model_len": 2048, **config})
         self.scheduler = make_scheduler(self.config, num_kv_blocks, block_size)
-        self.runner = FakeRunner(block_size)
+        self.runner = FakeRunner(num_kv_blocks, block_size)
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []
 

@@ -118,11 +118,6 @@ def test_abort_before_any_step_and_twice():
     assert not llm.has_unfinished_requests() and all_free(llm)
 
 
-def test_abort_docstring_documents_the_no_op():
-    doc = LLM.abort.__doc__
-    assert "abort" in doc and "no-op" in doc and "False" in doc
-
-
 # -- abort on the FakeEngine (every policy, shared prefixes) ----------------------------
 
 

@@ -6,10 +6,14 @@ random steps — run under random engine settings: tiny KV pools, block sizes 1.
 budgets 1..64, max_num_seqs 1..8, fcfs/priority/static, chunked prefill and prefix caching
 on/off.
 
-After EVERY step the block accounting must be exact (see `check_invariants`); at the end
-every request that was not aborted has exactly the tokens the FakeRunner's pure function
-gives (so no KV was lost, reused wrongly or skipped), all blocks are free, and the run
-took a bounded number of steps (no livelock).
+After EVERY step the chapter's rules hold (`check_step`: nothing admitted in a step that
+preempted, tokens scheduled <= token_budget, chunks <= long_prefill_token_threshold,
+running <= max_num_seqs) and the block accounting is exact (`check_invariants`, including:
+every hashed block lies inside its request's computed tokens). At the end every request
+that was not aborted has exactly the tokens `expected_output` gives; the FakeRunner derives
+each token from the KV it reads back through the block table, so no KV was lost, written
+to a wrong slot, reused stale or skipped. All blocks are free, and the run took a bounded
+number of steps (no livelock).
 
 Two deterministic tests check that prefix caching actually hits, and that a preempted
 request resumes from its own cached blocks when they were not evicted.
@@ -23,7 +27,7 @@ from fake_engine import FakeEngine, expected_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, RequestStatus
 from nanoserve.engine.static_scheduler import StaticScheduler
 
@@ -61,6 +65,9 @@ def check_invariants(sched: Scheduler) -> None:
             block = bm.blocks[block_id]
             if block.block_hash is not None:
                 assert block.token_ids == tuple(r.token_ids[i * bs:(i + 1) * bs])
+                # §5: a hash promises computed KV: the block lies inside the computed tokens.
+                assert (i + 1) * bs <= r.num_computed_tokens, f"{r.request_id}: block {i}"
+        assert len(r.block_hashes) * bs <= r.num_computed_tokens
     for h, block_id in bm.cached_blocks.items():
         assert bm.blocks[block_id].block_hash == h
     # Waiting (new or preempted) requests hold nothing and remember no KV.
@@ -69,6 +76,25 @@ def check_invariants(sched: Scheduler) -> None:
         assert id(r) not in running_ids
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.block_table == [] and r.num_computed_tokens == 0
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """§6.2's rules for one schedule() step, as the chapter states them."""
+    config = sched.config
+    assert out.token_budget == config.max_num_batched_tokens
+    assert out.num_scheduled_tokens <= out.token_budget, "over the token budget"
+    cap = config.long_prefill_token_threshold or out.token_budget
+    batch = [id(s.request) for s in out.scheduled]
+    assert len(set(batch)) == len(batch), "a request twice in one step"
+    for s in out.scheduled:
+        assert 1 <= s.num_new_tokens <= cap, s
+    assert not {id(r) for r in out.preempted} & set(batch), "a preempted request computes"
+    seats = len(sched.running)
+    if isinstance(sched, StaticScheduler):
+        seats += len(sched.idle_rows)  # a finished row keeps its seat until the batch ends
+    else:
+        assert not (out.preempted and out.admitted), "admitted in a step that preempted"
+    assert seats <= config.max_num_seqs, "more running requests than max_num_seqs"
 
 
 @st.composite
@@ -121,14 +147,20 @@ def run_workload(w: dict) -> FakeEngine:
                 eng.add(f"r{i}", r["prompt"], r["max_tokens"], r["priority"],
                         arrival_time=float(step * 100 + i))
         for at, i in w["aborts"]:
-            if at == step and f"r{i}" in eng.requests and sched.abort(f"r{i}") is not None:
-                aborted.add(f"r{i}")
-                assert not eng.requests[f"r{i}"].block_table
+            got = sched.abort(f"r{i}") if at == step and f"r{i}" in eng.requests else None
+            if got is None:
+                continue
+            assert not got.block_table and got.request_id not in finished
+            if got.finish_reason == FinishReason.ABORT:
+                aborted.add(got.request_id)
+            else:  # static: a row that finished, waiting for its batch, is handed out now
+                finished[got.request_id] = got
         check_invariants(sched)
         if sched.has_unfinished_requests():
             for req in eng.step():
                 assert req.request_id not in finished, "a request finished twice"
                 finished[req.request_id] = req
+            check_step(sched, eng.outputs[-1])
             check_invariants(sched)
         step += 1
         assert step <= max_steps, f"no progress after {step} steps (livelock?)"

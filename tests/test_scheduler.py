@@ -81,7 +81,6 @@ def test_fcfs_preempts_the_last_running_request():
     assert [r.request_id for r in waiting] == ["r2", "r3"]
     assert all(r.num_computed_tokens == 0 and r.status == RequestStatus.PREEMPTED
                for r in waiting)
-    assert not out.admitted  # nothing is admitted in a step that preempted
 
 
 def test_priority_preempts_the_largest_priority_then_latest_arrival():
@@ -221,3 +220,126 @@ def test_hash_collision_is_a_miss_not_a_wrong_hit():
     block = bm.blocks[a.block_table[0]]
     block.token_ids = (7, 7)  # pretend another prefix had landed on the same hash
     assert bm.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)
+
+
+# -- §6.2: "only if nothing was preempted", in steps where admission WOULD fit ---------
+
+
+def test_priority_no_admission_in_a_step_that_preempted_although_blocks_are_free():
+    """3 blocks of 4. A (priority 0) holds 1 block, B (priority 1) 2. C (priority 0, one
+    token) arrives. A needs a 2nd block: B is the victim and frees 2, A takes 1, so 1 block
+    is free and C (first in waiting, ahead of B) would fit: §6.2 still admits nobody."""
+    engine = FakeEngine(num_kv_blocks=3, block_size=4, scheduling_policy="priority")
+    a = engine.add("A", [1] * 3, max_tokens=6, priority=0, arrival_time=0.0)
+    b = engine.add("B", [2] * 5, max_tokens=6, priority=1, arrival_time=1.0)
+    engine.step()
+    engine.step()  # A: 5 tokens, 4 computed (1 full block); B: 7 tokens in 2 blocks
+    c = engine.add("C", [3], max_tokens=2, priority=0, arrival_time=2.0)
+    out = engine.scheduler.schedule()
+    assert out.preempted == [b] and scheduled(out) == {"A": 1}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == 1 and engine.scheduler.waiting.peek() is c
+    assert out.admitted == [] and c.status == RequestStatus.WAITING
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    out = engine.scheduler.schedule()
+    assert out.admitted == [c]  # the next step, without a preemption, admits it
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    engine.run()
+    for req, prompt in ((a, [1] * 3), (b, [2] * 5), (c, [3])):
+        assert req.output_token_ids == expected_output(prompt, req.sampling_params.max_tokens)
+    assert_no_leak(engine)
+
+
+def test_fcfs_self_preempted_request_is_not_readmitted_in_the_same_step():
+    """FCFS puts the victim at the front of waiting, so the candidate for admission is the
+    victim itself. 3 blocks of 4, budget 4, no prefix cache: B evicts itself while 1 block
+    is free, and a 3-token chunk of B (1 block) would fit the 3 tokens of budget left."""
+    engine = FakeEngine(num_kv_blocks=3, block_size=4, max_num_batched_tokens=4,
+                        enable_prefix_caching=False)
+    engine.add("A", [1] * 3, max_tokens=6)
+    b = engine.add("B", [2] * 5, max_tokens=4)
+    engine.step()  # A: 3 tokens (samples); B: a 1-token chunk
+    engine.step()  # A: 1; B: 3 more (4 of 5 computed, 1 block)
+    out = engine.scheduler.schedule()  # A takes the free block; B needs one: none left
+    assert out.preempted == [b] and scheduled(out) == {"A": 1}
+    assert engine.scheduler.block_manager.num_free_blocks == 1
+    assert out.admitted == [] and b.status == RequestStatus.PREEMPTED
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    engine.run()
+    assert b.output_token_ids == expected_output([2] * 5, 4)
+    assert_no_leak(engine)
+
+
+def test_priority_victim_refunds_its_budget_to_the_requests_after_it():
+    """running = [low, high, x]. "low" is scheduled first (taking the last block), then
+    evicted by "high": its token goes back to the step's budget, so "x", later in running,
+    still runs. With a budget of 2, low's token, if not refunded, would leave x nothing."""
+    engine = FakeEngine(num_kv_blocks=4, block_size=4, scheduling_policy="priority")
+    low = engine.add("low", [1] * 3, max_tokens=8, priority=9, arrival_time=0.0)
+    engine.step()
+    engine.add("high", [2] * 4, max_tokens=8, priority=0, arrival_time=1.0)
+    engine.add("x", [3], max_tokens=8, priority=0, arrival_time=2.0)
+    engine.step()  # low and high: one full block each, x: 2 tokens in one block; 1 free
+    engine.scheduler.config.max_num_batched_tokens = 2
+    out = engine.scheduler.schedule()
+    assert out.preempted == [low]
+    assert scheduled(out) == {"high": 1, "x": 1}
+    engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+    engine.run()
+    assert low.output_token_ids == expected_output([1] * 3, 8)
+    assert_no_leak(engine)
+
+
+def test_a_partly_computed_chunk_registers_only_its_computed_full_blocks():
+    """A 12-token prompt is computed in chunks. After 6 tokens its 2nd block is full of
+    known (prompt) tokens but only half computed: it must not be hashed, or a request with
+    the same prefix would read KV that was never written (§5)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(12)))
+    assert bm.allocate_slots(a, 6) and len(a.block_table) == 2
+    a.num_computed_tokens = 6
+    bm.cache_full_blocks(a)
+    assert len(a.block_hashes) == 1
+    assert bm.blocks[a.block_table[0]].block_hash is not None
+    assert bm.blocks[a.block_table[1]].block_hash is None  # positions 6, 7 not computed
+    assert bm.get_computed_blocks(make_request("b", list(range(12)))) == (a.block_table[:1], 4)
+    assert bm.allocate_slots(a, 6)  # the rest of the prompt
+    a.num_computed_tokens = 12
+    bm.cache_full_blocks(a)
+    assert len(a.block_hashes) == 3
+    assert bm.get_computed_blocks(make_request("c", list(range(13)))) == (a.block_table, 12)
+
+
+def test_hash_is_chained_from_the_parent_block():
+    """Equal tokens after different prefixes are different KV (§5). b = [9,9,9,9][5,6,7,8]
+    is cached first, then a = [1,2,3,4][5,6,7,8]: a request with a's prefix must get a's
+    2nd block, not b's (same tokens, computed after another prefix)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    b = make_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 0])
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    for req in (b, a):
+        bm.allocate_slots(req, 9)
+        req.num_computed_tokens = 9
+        bm.cache_full_blocks(req)
+    hits = bm.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    assert hits == (a.block_table[:2], 8)
+
+
+def test_eviction_keeps_prefixes_as_long_as_possible():
+    """§5's eviction order: a freed block with nothing reusable is taken before any cached
+    block, even if freed later; among one request's cached blocks the tail goes first, so
+    the prefix (the head, which every hit needs) survives longest."""
+    bm = BlockManager(num_blocks=3, block_size=2)
+    b, c = make_request("b", [1, 2, 3, 4]), make_request("c", [7])
+    for req in (b, c):
+        bm.allocate_slots(req, req.num_tokens)
+        req.num_computed_tokens = req.num_tokens
+        bm.cache_full_blocks(req)  # b: 2 cached blocks; c: a partial block, not cached
+    bm.free(b)
+    bm.free(c)
+    lookup = make_request("b2", [1, 2, 3, 4, 5])
+    assert bm.get_computed_blocks(lookup)[1] == 4
+    assert bm.allocate_slots(make_request("d", [8]), 1)  # takes c's empty block
+    assert bm.get_computed_blocks(lookup)[1] == 4
+    assert bm.allocate_slots(make_request("e", [9]), 1)  # must evict: b's tail, not head
+    assert bm.get_computed_blocks(lookup)[1] == 2
