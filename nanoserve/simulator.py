@@ -51,11 +51,11 @@ class KVReadingRunner:
                 table = meta.prefill_block_tables[j].tolist()
                 context_len = cu_k[j + 1] - cu_k[j] - (cu_q[j + 1] - q) + 1
             if positions[row] != context_len - 1:
-                raise AssertionError(f"{req.request_id}: position {positions[row]} but "
+                raise RuntimeError(f"{req.request_id}: position {positions[row]} but "
                                      f"context length {context_len}")
             read = [self.kv[table[p // bs] * bs + p % bs] for p in range(context_len)]
             if None in read:
-                raise AssertionError(f"{req.request_id} read a KV slot never written "
+                raise RuntimeError(f"{req.request_id} read a KV slot never written "
                                      f"(position {read.index(None)})")
             sampled[req.request_id] = next_token(read, self.vocab_size)
         return sampled
