@@ -1,0 +1,95 @@
+"""§2–§3, §6: a JSON-lines record of every step, to see what the scheduler decided.
+
+One header line starts a run, then one line per step: each batch row with its seat
+("slot" in the chapter's sense: a seat in the batch, not a KV position) and role
+(prefill chunk, decode, or a static "idle row" = the chapter's "slot quay không"),
+the token budget spent, the waiting queue, free KV blocks, who was admitted,
+preempted ("nạn nhân", §6.3) or finished. `scripts/trace_page.py` draws it.
+
+Seats follow the chapter's figures: a request takes the lowest free seat when admitted,
+keeps it while running (static: also while idle) and frees it when it finishes or is
+preempted. The scheduler itself has no seats: `running` is a queue, so the tracer keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+VICTIM_RULE = {"fcfs": "FCFS: the request that joined running last",
+               "priority": "PRIORITY: lowest priority, then latest arrival"}
+
+
+class Tracer:
+    """Call `record()` once per step, after `update_from_output()`. Lines are appended to
+    `path`, so one file can hold several runs (e.g. static then continuous)."""
+
+    def __init__(self, path: str, name: str, policy: str, max_num_seqs: int, token_budget: int,
+                 num_blocks: int, block_size: int, source: str = "engine") -> None:
+        self.path = path
+        self.header = {"type": "run", "name": name, "policy": policy,
+                       "max_num_seqs": max_num_seqs, "token_budget": token_budget,
+                       "num_blocks": num_blocks, "block_size": block_size, "source": source}
+        self.seats: dict[str, int] = {}  # request_id -> seat
+        self.num_steps = 0
+
+    def _take_seat(self, request_id: str) -> int:
+        used = set(self.seats.values())
+        self.seats[request_id] = seat = next(s for s in range(len(used) + 1) if s not in used)
+        return seat
+
+    def step_record(self, out: Any, finished: list[Any], scheduler: Any,
+                    time_ms: float | None = None) -> dict[str, Any]:
+        """Build one step line (and move seats). `out` is the step's SchedulerOutput."""
+        self.num_steps += 1
+        live = {r.request_id for group in (scheduler.running, finished, out.preempted)
+                for r in group}
+        for rid in [rid for rid in self.seats if rid not in live]:
+            del self.seats[rid]  # left between steps (aborted): its seat is free again
+        admitted = {r.request_id for r in out.admitted}
+        # Continuous: victims leave before anyone is admitted. Static: a batch is admitted
+        # first and one of its own rows can be the victim, so it sits down, then leaves.
+        late = [r for r in out.preempted if r.request_id in admitted]
+        victims = {r.request_id: self.seats.pop(r.request_id, None)
+                   for r in out.preempted if r.request_id not in admitted}
+        for req in out.admitted:
+            self._take_seat(req.request_id)
+        victims.update({r.request_id: self.seats.pop(r.request_id) for r in late})
+        rows = []
+        for s in out.scheduled:
+            req, n = s.request, s.num_new_tokens
+            end = req.num_computed_tokens  # recorded after the step: these n are computed
+            decode = n == 1 and s.samples and end - 1 >= req.num_prompt_tokens
+            rows.append({"request": req.request_id, "slot": self.seats[req.request_id],
+                         "role": "decode" if decode else "prefill", "start": end - n,
+                         "end": end})
+        rows += [{"request": r.request_id, "slot": self.seats[r.request_id], "role": "idle"}
+                 for r in out.idle_rows]
+        rule = VICTIM_RULE.get(self.header["policy"], "the scheduler's victim rule")
+        bm = scheduler.block_manager
+        record = {
+            "type": "step", "step": self.num_steps,
+            "time_ms": None if time_ms is None else round(time_ms, 3),
+            "token_budget": out.token_budget, "num_scheduled_tokens": out.num_scheduled_tokens,
+            "num_waiting": len(scheduler.waiting), "num_running": len(scheduler.running),
+            "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+            "rows": sorted(rows, key=lambda r: r["slot"]),
+            "admitted": [r.request_id for r in out.admitted],
+            "preempted": [{"request": rid, "slot": seat,
+                           "reason": f"out of free KV blocks; victim by {rule}; will recompute"}
+                          for rid, seat in victims.items()],
+            "finished": [{"request": r.request_id, "reason": r.finish_reason.value}
+                         for r in finished]}
+        for req in finished:
+            self.seats.pop(req.request_id, None)
+        return record
+
+    def record(self, out: Any, finished: list[Any], scheduler: Any,
+               time_ms: float | None = None) -> dict[str, Any]:
+        """Append this step's line (and the run's header line before the first one)."""
+        record = self.step_record(out, finished, scheduler, time_ms)
+        lines = ([self.header] if record["step"] == 1 else []) + [record]
+        with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+        return record
+
