@@ -42,8 +42,8 @@ class Tracer:
                     time_ms: float | None = None) -> dict[str, Any]:
         """Build one step line (and move seats). `out` is the step's SchedulerOutput."""
         self.num_steps += 1
-        live = {r.request_id for group in (scheduler.running, finished, out.preempted)
-                for r in group}
+        live = {r.request_id for group in (scheduler.running, out.idle_rows, finished,
+                                           out.preempted) for r in group}
         for rid in [rid for rid in self.seats if rid not in live]:
             del self.seats[rid]  # left between steps (aborted): its seat is free again
         admitted = {r.request_id for r in out.admitted}
