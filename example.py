@@ -1,7 +1,8 @@
 """Offline generation with nanoserve: several chat prompts of different lengths, batched
 continuously. Run `python example.py --trace` to see one line per engine step: requests
 joining mid-batch, prefill chunks sharing steps with decodes, and requests leaving as
-soon as they finish (chapter §3–§4)."""
+soon as they finish (chapter §3–§4). `--trace-file run.jsonl` records the same steps;
+`python scripts/trace_page.py run.jsonl` turns them into a page to explore."""
 
 from __future__ import annotations
 
@@ -25,11 +26,18 @@ def main() -> None:
                         "(default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--trace", action="store_true", help="print one line per step")
+    parser.add_argument("--trace-file", default=None, help="write every step as JSON lines "
+                        "(overwritten); view it: python scripts/trace_page.py FILE")
     args = parser.parse_args()
+    if args.trace_file:
+        open(args.trace_file, "w").close()  # the engine appends; start this run afresh
 
     # Small max_num_seqs and token budget so the trace shows requests waiting, joining
     # mid-batch and prefills being chunked; the answers are the same with any settings.
-    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace)
+    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace,
+              trace_file=args.trace_file)
+    if llm.tracer is not None:
+        llm.tracer.header["source"] = "example"  # the header is written with the first step
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True)

@@ -35,6 +35,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: the plain path (no CUDA graphs, no packed CPU weights)
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
+    trace_file: str | None = None  # append one JSON line per step (nanoserve/trace.py)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class EngineConfig:
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
              "one of ('auto', 'float32', 'float16', 'bfloat16')")
+        need(self.trace_file is None or (isinstance(self.trace_file, str) and self.trace_file),
+             "trace_file", "None or a file path")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(

@@ -22,7 +22,8 @@ VICTIM_RULE = {"fcfs": "FCFS: the request that joined running last",
 
 class Tracer:
     """Call `record()` once per step, after `update_from_output()`. Lines are appended to
-    `path`, so one file can hold several runs (e.g. static then continuous)."""
+    `path`, so one file can hold several runs (e.g. static then continuous). The header
+    is written with the first step, so a caller may still change `header` (name, source)."""
 
     def __init__(self, path: str, name: str, policy: str, max_num_seqs: int, token_budget: int,
                  num_blocks: int, block_size: int, source: str = "engine") -> None:
@@ -43,7 +44,7 @@ class Tracer:
         """Build one step line (and move seats). `out` is the step's SchedulerOutput."""
         self.num_steps += 1
         live = {r.request_id for group in (scheduler.running, out.idle_rows, finished,
-                                           out.preempted) for r in group}
+                out.preempted, [s.request for s in out.scheduled]) for r in group}
         for rid in [rid for rid in self.seats if rid not in live]:
             del self.seats[rid]  # left between steps (aborted): its seat is free again
         admitted = {r.request_id for r in out.admitted}

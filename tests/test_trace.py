@@ -54,7 +54,8 @@ def step(tracer: Tracer, sched: FakeScheduler, *, run=(), idle=(), admit=(), pre
             r.append_token(7)
     for r in finish:
         r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
-        sched.running.remove(r)
+        if r in sched.running:  # a static idle row has left `running` already
+            sched.running.remove(r)
     out = SchedulerOutput(scheduled=scheduled, token_budget=16, idle_rows=list(idle),
                           preempted=list(preempt), admitted=list(admit))
     return tracer.step_record(out, list(finish), sched, time_ms)
@@ -131,11 +132,17 @@ def test_static_keeps_idle_seats_until_the_batch_leaves():
     tracer, sched = new_tracer(policy="static"), FakeScheduler()
     a, b, c = req("0", 2), req("1", 2), req("2", 2)
     rec = step(tracer, sched, admit=[a, b, c], run=[(a, 2), (b, 2), (c, 2)])
-    a.status = RequestStatus.FINISHED  # done, but static keeps computing its row
+    # `a` is done: StaticScheduler takes it out of `running` and keeps its row computing
+    # (an idle row) with its seat until the batch leaves; it is not "finished" yet.
+    a.status = RequestStatus.FINISHED
+    sched.running.remove(a)
     rec = step(tracer, sched, run=[(b, 1), (c, 1)], idle=[a])
     assert rec["rows"][0] == {"request": "0", "slot": 0, "role": "idle"}
     assert seats(rec) == {"0": 0, "1": 1, "2": 2} and rec["finished"] == []
     b.status = RequestStatus.FINISHED
+    sched.running.remove(b)  # done in that step: only its scheduled row tells it is there
+    rec = step(tracer, sched, run=[(c, 1)], idle=[a, b])
+    assert seats(rec) == {"0": 0, "1": 1, "2": 2}
     rec = step(tracer, sched, run=[(c, 1)], idle=[a, b], finish=[a, b, c])
     assert [r["role"] for r in rec["rows"]] == ["idle", "idle", "decode"]
     d = req("3")
@@ -175,11 +182,13 @@ def read_runs(path) -> list[tuple[dict, list[dict]]]:
 
 
 @pytest.mark.parametrize("policy,num_kv_blocks", [("fcfs", 64), ("fcfs", 6), ("static", 64)])
-def test_real_llm_run_agrees_with_its_trace(tmp_path, policy, num_kv_blocks):
-    """A real short run on the tiny model: every record agrees with the requests' outputs."""
+def test_real_llm_run_agrees_with_its_trace(tmp_path, capsys, policy, num_kv_blocks):
+    """A real short run on the tiny model: every record agrees with the requests' outputs,
+    and the --trace text line shows the same budget and waiting count."""
     path = tmp_path / "run.jsonl"
     llm = LLM(tiny_model_dir(), max_num_seqs=3, max_num_batched_tokens=16, block_size=4,
-              num_kv_blocks=num_kv_blocks, scheduling_policy=policy, trace_file=str(path))
+              num_kv_blocks=num_kv_blocks, scheduling_policy=policy, trace_file=str(path),
+              trace=True)
     prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([13, 3, 9, 21, 5])]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (6, 2, 9, 4, 7)]
@@ -189,6 +198,10 @@ def test_real_llm_run_agrees_with_its_trace(tmp_path, policy, num_kv_blocks):
                       "policy": policy, "max_num_seqs": 3, "token_budget": 16,
                       "num_blocks": num_kv_blocks, "block_size": 4, "source": "engine"}
     assert [s["step"] for s in steps] == list(range(1, llm.num_steps + 1))
+    text = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert len(text) == len(steps)
+    for line, s in zip(text, steps):
+        assert f"| budget {s['num_scheduled_tokens']}/16 | waiting {s['num_waiting']} |" in line
     computed = {o.request_id: [] for o in outputs}  # (start, end) ranges, in order
     finished, seat_of = {}, {}
     for s in steps:
@@ -205,8 +218,9 @@ def test_real_llm_run_agrees_with_its_trace(tmp_path, policy, num_kv_blocks):
             assert seat_of.setdefault(r["request"], r["slot"]) == r["slot"]  # seat kept
             if r["role"] != "idle":
                 computed[r["request"]].append((r["start"], r["end"]))
-                assert (r["role"] == "decode") == (r["end"] - r["start"] == 1
-                                                   and r["start"] >= len(prompts[int(r["request"])]))
+                one_output_token = r["end"] - r["start"] == 1 \
+                    and r["start"] >= len(prompts[int(r["request"])])
+                assert (r["role"] == "decode") == one_output_token
         for f in s["finished"]:
             finished[f["request"]] = f["reason"]
             seat_of.pop(f["request"])

@@ -23,6 +23,7 @@ from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
 from nanoserve.engine.sequence import Request
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.trace import Tracer
 from nanoserve.utils.bundled import default_model_dir
 
 Prompt = str | list[int]
@@ -45,6 +46,13 @@ class LLM:
         self.scheduler = make_scheduler(self.config, self.model_runner.num_kv_blocks,
                                         self.config.block_size)
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
+        self.tracer: Tracer | None = None  # JSON lines of every step (issue 11)
+        if self.config.trace_file is not None:
+            policy, bm = self.config.scheduling_policy, self.scheduler.block_manager
+            self.tracer = Tracer(self.config.trace_file,
+                                 "static" if policy == "static" else "continuous", policy,
+                                 self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                 bm.num_blocks, bm.block_size)
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
@@ -123,6 +131,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One iteration (§4): schedule, run the model, process outputs. Returns the
         requests that finished (or were aborted) in this step."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[Request] = []
         if not out.is_empty:
@@ -134,6 +143,8 @@ class LLM:
                                "pending; this is a bug (it would otherwise hang)")
         self.num_steps += 1
         self.last_scheduler_output = out
+        if self.tracer is not None:
+            self.tracer.record(out, finished, self.scheduler, (time.perf_counter() - start) * 1e3)
         if self.trace:
             print(self._trace_line(out, finished), file=sys.stderr)
         outputs, self._pending = self._pending, []
@@ -221,5 +232,7 @@ class LLM:
             parts.append("finished " + " ".join(
                 f"{r.request_id}({r.finish_reason.value})" for r in finished))
         bm = self.scheduler.block_manager
-        parts.append(f"free blocks {bm.num_free_blocks}/{bm.num_blocks}")
+        parts += [f"budget {out.num_scheduled_tokens}/{out.token_budget}",
+                  f"waiting {len(self.scheduler.waiting)}",
+                  f"free blocks {bm.num_free_blocks}/{bm.num_blocks}"]
         return " | ".join(parts)
