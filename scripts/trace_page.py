@@ -86,10 +86,12 @@ def run_chromium(args: list[str], timeout: float = 120) -> subprocess.CompletedP
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
 
 
-def screenshot(page: Path, png: Path, width: int = 1400, height: int = 900) -> None:
+def screenshot(page: Path, png: Path, width: int = 1400, height: int = 900,
+               fragment: str = "") -> None:
+    """`fragment` "#selftest=STEP,SLOT,RUN" shows that cell's details, as if clicked."""
     png.parent.mkdir(parents=True, exist_ok=True)
     run_chromium([f"--screenshot={png.resolve()}", f"--window-size={width},{height}",
-                  page.resolve().as_uri()])
+                  page.resolve().as_uri() + fragment])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--title", default=None)
     p.add_argument("--screenshot", type=Path, default=None, help="also save a PNG (Chromium)")
     p.add_argument("--window-size", default="1400,900", help="screenshot size W,H")
+    p.add_argument("--click", default="", metavar="STEP,SLOT[,RUN]",
+                   help="screenshot with this cell's details shown")
     args = p.parse_args(argv)
     out = args.out or args.trace.with_suffix(".html")
     runs = read_runs(args.trace)
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(len(r['steps']) for r in runs)} steps)", file=sys.stderr)
     if args.screenshot is not None:
         width, height = (int(x) for x in args.window_size.split(","))
-        screenshot(out, args.screenshot, width, height)
+        screenshot(out, args.screenshot, width, height,
+                   f"#selftest={args.click}" if args.click else "")
         print(f"wrote {args.screenshot}", file=sys.stderr)
 
 
