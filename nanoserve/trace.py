@@ -1,23 +1,21 @@
 """§2–§3, §6: a JSON-lines record of every step, to see what the scheduler decided.
 
-One header line starts a run, then one line per step: each batch row with its seat
-("slot" in the chapter's sense: a seat in the batch, not a KV position) and role
-(prefill chunk, decode, or a static "idle row" = the chapter's "slot quay không"),
-the token budget spent, the waiting queue, free KV blocks, who was admitted,
-preempted ("nạn nhân", §6.3) or finished. `scripts/trace_page.py` draws it.
-
-Seats follow the chapter's figures: a request takes the lowest free seat when admitted,
-keeps it while running (static: also while idle) and frees it when it finishes or is
-preempted. The scheduler itself has no seats: `running` is a queue, so the tracer keeps them.
-"""
+A header line starts a run; each step line holds every batch row with its seat and role
+(prefill chunk, decode, or a static "idle row" = the chapter's "slot quay không"), the
+token budget spent, waiting queue, free KV blocks, who was admitted, preempted ("nạn
+nhân", §6.3) or finished. `scripts/trace_page.py` draws it. A seat is the chapter's
+"slot", not a KV position: the lowest free one on admission, kept while running (static:
+also while idle), freed at finish or preemption. `running` is a queue, so the tracer
+keeps the seats."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-VICTIM_RULE = {"fcfs": "FCFS: the request that joined running last",
-               "priority": "PRIORITY: lowest priority, then latest arrival"}
+if TYPE_CHECKING:
+    from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+    from nanoserve.engine.sequence import Request
 
 
 class Tracer:
@@ -34,12 +32,7 @@ class Tracer:
         self.seats: dict[str, int] = {}  # request_id -> seat
         self.num_steps = 0
 
-    def _take_seat(self, request_id: str) -> int:
-        used = set(self.seats.values())
-        self.seats[request_id] = seat = next(s for s in range(len(used) + 1) if s not in used)
-        return seat
-
-    def step_record(self, out: Any, finished: list[Any], scheduler: Any,
+    def step_record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                     time_ms: float | None = None) -> dict[str, Any]:
         """Build one step line (and move seats). `out` is the step's SchedulerOutput."""
         self.num_steps += 1
@@ -53,8 +46,9 @@ class Tracer:
         late = [r for r in out.preempted if r.request_id in admitted]
         victims = {r.request_id: self.seats.pop(r.request_id, None)
                    for r in out.preempted if r.request_id not in admitted}
-        for req in out.admitted:
-            self._take_seat(req.request_id)
+        for req in out.admitted:  # the lowest free seat
+            used = set(self.seats.values())
+            self.seats[req.request_id] = next(k for k in range(len(used) + 1) if k not in used)
         victims.update({r.request_id: self.seats.pop(r.request_id) for r in late})
         rows = []
         for s in out.scheduled:
@@ -66,7 +60,8 @@ class Tracer:
                          "end": end})
         rows += [{"request": r.request_id, "slot": self.seats[r.request_id], "role": "idle"}
                  for r in out.idle_rows]
-        rule = VICTIM_RULE.get(self.header["policy"], "the scheduler's victim rule")
+        rule = ("PRIORITY: lowest priority, then latest arrival" if self.header["policy"] ==
+                "priority" else "FCFS: the request that joined running last")
         bm = scheduler.block_manager
         record = {
             "type": "step", "step": self.num_steps,
@@ -85,7 +80,7 @@ class Tracer:
             self.seats.pop(req.request_id, None)
         return record
 
-    def record(self, out: Any, finished: list[Any], scheduler: Any,
+    def record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                time_ms: float | None = None) -> dict[str, Any]:
         """Append this step's line (and the run's header line before the first one)."""
         record = self.step_record(out, finished, scheduler, time_ms)
