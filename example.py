@@ -34,10 +34,9 @@ def main() -> None:
 
     # Small max_num_seqs and token budget so the trace shows requests waiting, joining
     # mid-batch and prefills being chunked; the answers are the same with any settings.
-    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace,
-              trace_file=args.trace_file)
-    if llm.tracer is not None:
-        llm.tracer.header["source"] = "example"  # the header is written with the first step
+    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace)
+    if args.trace_file:
+        llm.trace_to(args.trace_file, source="example")
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True)

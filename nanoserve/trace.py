@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 class Tracer:
     """Call `record()` once per step, after `update_from_output()`. Lines are appended to
-    `path`, so one file can hold several runs (e.g. static then continuous). The header
-    is written with the first step, so a caller may still change `header` (name, source)."""
+    `path`, so one file can hold several runs (e.g. static then continuous); the header
+    line is written with the first step."""
 
     def __init__(self, path: str, name: str, policy: str, max_num_seqs: int, token_budget: int,
                  num_blocks: int, block_size: int, source: str = "engine") -> None:

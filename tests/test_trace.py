@@ -236,3 +236,18 @@ def test_real_llm_run_agrees_with_its_trace(tmp_path, capsys, policy, num_kv_blo
         assert any(s["preempted"] for s in steps), "the small KV pool should force a preemption"
     if policy == "static":
         assert any(r["role"] == "idle" for s in steps for r in s["rows"])
+
+
+def test_trace_to_starts_a_new_run_that_leaves_out_the_warm_up(tmp_path):
+    llm = LLM(tiny_model_dir(), max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
+              num_kv_blocks=32)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # not traced
+    path = tmp_path / "bench.jsonl"
+    llm.trace_to(str(path), source="bench")
+    llm.generate([[9, 10, 11, 12, 13]], SamplingParams(max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    [(header, steps)] = read_runs(path)
+    assert header["source"] == "bench" and header["name"] == "continuous"
+    assert [s["step"] for s in steps] == [1, 2, 3]  # the tracer's own steps, from 1
+    assert [[(r["request"], r["slot"], r["role"]) for r in s["rows"]] for s in steps] == \
+        [[("1", 0, "prefill")], [("1", 0, "decode")], [("1", 0, "decode")]]

@@ -48,11 +48,7 @@ class LLM:
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
         self.tracer: Tracer | None = None  # JSON lines of every step (issue 11)
         if self.config.trace_file is not None:
-            policy, bm = self.config.scheduling_policy, self.scheduler.block_manager
-            self.tracer = Tracer(self.config.trace_file,
-                                 "static" if policy == "static" else "continuous", policy,
-                                 self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                 bm.num_blocks, bm.block_size)
+            self.trace_to(self.config.trace_file)
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
@@ -125,6 +121,13 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def trace_to(self, path: str, source: str = "engine") -> None:
+        """Append every following step to `path` as JSON lines, a new run (trace.py)."""
+        policy, bm = self.config.scheduling_policy, self.scheduler.block_manager
+        self.tracer = Tracer(path, "static" if policy == "static" else "continuous", policy,
+                             self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                             bm.num_blocks, bm.block_size, source)
 
     # -- the loop ---------------------------------------------------------------------
 
