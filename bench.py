@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="JSON results (default bench_results/<workload>.json)")
     p.add_argument("--png", type=Path, default=None,
                    help="timeline picture (default bench_results/<workload>.png)")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="write the nanoserve systems' steps to DIR/<workload>.jsonl (one run "
+                        "each); view: python scripts/trace_page.py DIR/<workload>.jsonl")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
@@ -94,10 +97,16 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
           f"{'' if dtype == args.dtype else f' ({dtype})'}; torch threads "
           f"{torch.get_num_threads()}")
     results, loads = [], {}
+    trace = args.trace_dir / f"{wl.name}.jsonl" if args.trace_dir else None
+    if trace:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text("")  # the systems append their runs
     for name in args.systems:
         nanoserve = name in ("continuous", "static")
         system = SYSTEMS[name](model_dir, args.dtype if nanoserve else dtype,
                                args.max_num_batched_tokens)
+        if trace and nanoserve:
+            system.trace_file = str(trace)
         why_not = system.unavailable()
         if why_not:
             print(f"skipping {name}: {why_not}")
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     png = args.png or Path("bench_results") / f"{wl.name}.png"
     if report.draw_png(results, png, f"{wl.name}: {wl.description}"):
         print(f"wrote {png}")
+    if trace:
+        print(f"wrote {trace} (a page: python scripts/trace_page.py {trace})")
     return results
 
 

@@ -165,6 +165,7 @@ def step_rows(sched) -> list[tuple[str, bool]]:
 class Continuous(System):
     name = "continuous"
     policy: ClassVar[str] = "fcfs"
+    trace_file: str | None = None  # bench --trace-dir: every step as JSON lines (trace.py)
 
     def run(self, wl: Workload, num_kv_blocks: int | None = None) -> SystemResult:
         from nanoserve import LLM, SamplingParams
@@ -180,6 +181,8 @@ class Continuous(System):
         startup = time.monotonic() - t0
         warm = llm.generate([jobs[0].prompt_ids], SamplingParams(max_tokens=2), use_tqdm=False)
         first_token = warm[0].metrics.arrival_time + warm[0].metrics.ttft - t0
+        if self.trace_file:  # from here on: the warm-up is not part of the run
+            llm.trace_to(self.trace_file, source="bench")
 
         arrivals, job_of, outputs = Arrivals(jobs), {}, {}
         steps: list[list[tuple[int, bool]]] = []

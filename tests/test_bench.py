@@ -114,14 +114,28 @@ def test_assign_slots_reuses_the_lowest_free_slot():
 def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(workloads, "longtail_lengths", lambda rng, n, hi: LENGTHS[:n])
     out = tmp_path / "r.json"
-    bench.main(["--model", tiny_dir, "--workload", "longtail", "--quick", "--num-requests", "6",
-                "--max-num-seqs", "3", "--systems", "continuous,static", "--out", str(out),
-                "--png", str(tmp_path / "t.png")])
+    results = bench.main(["--model", tiny_dir, "--workload", "longtail", "--quick",
+                          "--num-requests", "6", "--max-num-seqs", "3", "--systems",
+                          "continuous,static", "--out", str(out), "--png",
+                          str(tmp_path / "t.png"), "--trace-dir", str(tmp_path / "traces")])
     data = json.loads(out.read_text())
     assert [r["system"] for r in data["results"]] == ["continuous", "static"]
     assert data["ratios"][0].startswith("continuous / static")
     text = capsys.readouterr().out
     assert "| continuous |" in text and "slot  0 |" in text
+    # --trace-dir: one run per nanoserve system, without the warm-up, counting the same work
+    lines = [json.loads(x) for x in (tmp_path / "traces" / "longtail.jsonl").read_text()
+             .splitlines()]
+    headers = [x for x in lines if x["type"] == "run"]
+    assert [(h["name"], h["source"], h["max_num_seqs"]) for h in headers] == \
+        [("continuous", "bench", 3), ("static", "bench", 3)]
+    starts = [i for i, x in enumerate(lines) if x["type"] == "run"] + [len(lines)]
+    for r, a, b in zip(results, starts, starts[1:]):
+        steps = lines[a + 1:b]
+        roles = [row["role"] for s in steps for row in s["rows"]]
+        assert len(steps) == r.num_steps
+        assert len(roles) - roles.count("idle") == r.useful_request_steps
+        assert roles.count("idle") == r.wasted_request_steps
 
 
 def test_hf_cb_adds_up(tiny_dir):
