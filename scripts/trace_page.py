@@ -88,7 +88,7 @@ def run_chromium(args: list[str], timeout: float = 120) -> subprocess.CompletedP
 
 def screenshot(page: Path, png: Path, width: int = 1400, height: int = 900,
                fragment: str = "") -> None:
-    """`fragment` "#selftest=STEP,SLOT,RUN" shows that cell's details, as if clicked."""
+    """`fragment` "#hover=STEP,SLOT,RUN" shows that cell's details (#selftest=: clicked)."""
     png.parent.mkdir(parents=True, exist_ok=True)
     run_chromium([f"--screenshot={png.resolve()}", f"--window-size={width},{height}",
                   page.resolve().as_uri() + fragment])
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--title", default=None)
     p.add_argument("--screenshot", type=Path, default=None, help="also save a PNG (Chromium)")
     p.add_argument("--window-size", default="1400,900", help="screenshot size W,H")
-    p.add_argument("--click", default="", metavar="STEP,SLOT[,RUN]",
-                   help="screenshot with this cell's details shown")
+    p.add_argument("--show", default="", metavar="STEP,SLOT[,RUN]",
+                   help="screenshot with this cell's details shown (as on hover)")
     args = p.parse_args(argv)
     out = args.out or args.trace.with_suffix(".html")
     runs = read_runs(args.trace)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.screenshot is not None:
         width, height = (int(x) for x in args.window_size.split(","))
         screenshot(out, args.screenshot, width, height,
-                   f"#selftest={args.click}" if args.click else "")
+                   f"#hover={args.show}" if args.show else "")
         print(f"wrote {args.screenshot}", file=sys.stderr)
 
 

@@ -90,7 +90,7 @@ def test_page_in_headless_chromium(trace, tmp_path):
     docs = os.environ.get("NANOSERVE_UPDATE_DOCS") == "1"
     png = ROOT / "docs" / "trace-page.png" if docs else tmp_path / "trace-page.png"
     run, step, row = checks[-1]  # with an idle row's details shown
-    trace_page.screenshot(page, png, 1400, 1000, f"#selftest={step['step']},{row['slot']},{run}")
+    trace_page.screenshot(page, png, 1400, 1000, f"#hover={step['step']},{row['slot']},{run}")
     matplotlib_image = pytest.importorskip("matplotlib.image")
     pixels = matplotlib_image.imread(png)
     assert pixels.shape[:2] == (1000, 1400)
