@@ -1,12 +1,10 @@
-"""§2–§3, §6: a JSON-lines record of every step, to see what the scheduler decided.
+"""§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/trace_page.py`.
 
-A header line starts a run; each step line holds every batch row with its seat and role
-(prefill chunk, decode, or a static "idle row" = the chapter's "slot quay không"), the
-token budget spent, waiting queue, free KV blocks, who was admitted, preempted ("nạn
-nhân", §6.3) or finished. `scripts/trace_page.py` draws it. A seat is the chapter's
-"slot", not a KV position: the lowest free one on admission, kept while running (static:
-also while idle), freed at finish or preemption. `running` is a queue, so the tracer
-keeps the seats."""
+Per step: each batch row with its seat and role (prefill chunk, decode, or a static "idle
+row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks, who was
+admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not a
+KV position): the lowest free one on admission, kept while running (static: also while
+idle), freed at finish or preemption; `running` is a queue, so the tracer keeps seats."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ if TYPE_CHECKING:
 
 
 class Tracer:
-    """Call `record()` once per step, after `update_from_output()`. Lines are appended to
-    `path`, so one file can hold several runs (e.g. static then continuous); the header
-    line is written with the first step."""
+    """Call `record()` once per step, after `update_from_output()`. It appends to `path`,
+    so one file can hold several runs; the header line comes with the first step."""
 
     def __init__(self, path: str, name: str, policy: str, max_num_seqs: int, token_budget: int,
                  num_blocks: int, block_size: int, source: str = "engine") -> None:
