@@ -76,7 +76,6 @@ def flash_attn_varlen_func(
                     "cu_seqlens_k": cu_seqlens_k, "block_table": block_table},
                     block_table is not None, flash_contract)
     out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[-2]
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts_q) - 1):
         q0, q1 = starts_q[i], starts_q[i + 1]
@@ -95,19 +94,20 @@ def flash_attn_varlen_func(
                 raise ValueError(f"block_table has too few columns for sequence {i}")
             ki = _gather_blocks(k, block_table[i, :num_blocks])[:len_k]
             vi = _gather_blocks(v, block_table[i, :num_blocks])[:len_k]
-        # [len, H, D] -> [H, len, D]; each KV head serves `group` consecutive query heads.
-        qi = q[q0:q1].transpose(0, 1)
-        ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)
-        vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
+        # [len, H, D] -> [1, H, len, D]: 4-D inputs take the CPU's flash kernel, not the slower
+        # math path. enable_gqa: each KV head serves H / Hkv consecutive query heads, uncopied.
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[q0:q1], ki, vi))
         if causal and len_q == len_k:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
+                                               enable_gqa=True)
         else:
             mask = None
             if causal:
                 mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
                 mask = mask.tril(diagonal=len_k - len_q)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
-        out[q0:q1] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
+                                               enable_gqa=True)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 
