@@ -1,9 +1,10 @@
 """§4 ("one forward step"): turn each sampling row's logits into its next token.
 
-Greedy rows (temperature 0) take the argmax, exactly as HF `generate` does. Other rows
-are scaled by temperature, cut by top-k and top-p, and drawn from the request's own
-generator when it has a seed (so its tokens don't depend on its batch neighbours), or
-from the engine's generator otherwise.
+Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does.
+Other rows are scaled by temperature, cut by top-k and top-p, and drawn from the request's
+own generator when it has a seed, or from the engine's generator otherwise. The math is
+float32 whatever the model's dtype. A row that cannot be sampled (NaN logits, no token with
+a finite probability) gets an error message instead of a token: only its request fails.
 """
 
 from __future__ import annotations
@@ -12,20 +13,35 @@ import torch
 
 from nanoserve.sampling_params import SamplingParams
 
+NAN_LOGITS = "sampling failed: the model's logits for this request contain NaN"
+NO_TOKEN = "sampling failed: no token has a finite, non-zero probability"
+
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits: [num_rows, vocab]; one params and one (optional) generator per row."""
-        token_ids = logits.argmax(dim=-1).tolist()
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+                 generators: list[torch.Generator | None]) -> list[int | str]:
+        """logits: [num_rows, vocab]; one params and one (optional) generator per row.
+        Returns a token id per row, or an error message (str) for a row that failed."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1, keepdim=True)
+        # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
+        nan_rows = logits.gather(1, greedy).isnan().flatten().tolist()
+        token_ids: list[int | str] = [NAN_LOGITS if nan else t
+                                      for nan, t in zip(nan_rows, greedy.flatten().tolist())]
+        rows = [i for i, p in enumerate(params) if not p.greedy and token_ids[i] != NAN_LOGITS]
         if not rows:
             return token_ids
-        probs, order = self._filtered_probs(logits[rows].float().cpu(), [params[i] for i in rows])
+        probs, order = self._filtered_probs(logits[rows].cpu(), [params[i] for i in rows])
+        # Every row is checked before anything is drawn, so a bad row never consumes random
+        # numbers that a neighbour (sharing the engine's generator) would have drawn.
+        ok = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
         for j, i in enumerate(rows):
+            if not ok[j]:
+                token_ids[i] = NO_TOKEN
+                continue
             choice = torch.multinomial(probs[j], 1, generator=generators[i] or self.generator)
             token_ids[i] = int(order[j, choice])
         return token_ids
@@ -35,14 +51,19 @@ class Sampler:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probabilities over the vocabulary sorted descending (and that order), with
         top-k and top-p applied: tokens outside them get probability 0."""
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        # Huge temperatures (even inf) become float32's largest: -inf logits stay -inf
+        # instead of -inf / inf = NaN.
+        temperature = torch.tensor([p.temperature for p in params]).clamp(
+            max=torch.finfo(torch.float32).max).unsqueeze(1)
         logits, order = (logits / temperature).sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1]).unsqueeze(0)
-        top_k = torch.tensor([p.top_k or logits.shape[1] for p in params]).unsqueeze(1)
+        vocab = logits.shape[1]
+        rank = torch.arange(vocab).unsqueeze(0)
+        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params]).unsqueeze(1)
         logits = logits.masked_fill(rank >= top_k, float("-inf"))
         probs = logits.softmax(dim=-1)
-        # top-p: keep the smallest prefix whose mass reaches top_p (the first token always).
+        # top-p: keep the smallest prefix whose mass reaches top_p, and the first token
+        # always (a top_p below float32's smallest rounds to 0).
         top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = probs.masked_fill((mass_before >= top_p) & (rank > 0), 0.0)
         return probs, order
