@@ -11,6 +11,7 @@ test, which proves they are raised before any weights are read.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tiny_model import VOCAB_SIZE, tiny_model_dir
 
@@ -58,13 +59,22 @@ REQUEST_CASES = [
     ("prompt is a dict", lambda llm: llm.add_request({"text": "hi"}),
      r"prompt must be a str or a list of int token ids, got dict"),
     ("prompt is a list of floats", lambda llm: llm.add_request([1.0, 2.0]),
-     r"prompt must be a str or a list of int token ids, got list"),
+     r"prompt must be a str or a list of int token ids, got list containing float 1\.0"),
+    # bools are ints to Python; EngineConfig rejects them, and so does every request field.
+    ("prompt [True, False]", lambda llm: llm.add_request([True, False]),
+     r"prompt must be a str or a list of int token ids, got list containing bool True"),
+    ("prompt [5, np.float64(6.0)]", lambda llm: llm.add_request([5, np.float64(6.0)]),
+     r"got list containing float64 np\.float64\(6\.0\)"),
     ("prompt is None (add_request)", lambda llm: llm.add_request(None),
      r"prompt must be a str or a list of int token ids, got NoneType"),
     ("prompts is None (generate)", lambda llm: llm.generate(None, use_tqdm=False),
      r"prompts must be a str, a list of token ids or a list of those, got NoneType"),
     ("max_tokens=0", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=0)),
      r"max_tokens must be an integer >= 1"),
+    ("max_tokens=True", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=True)),
+     r"max_tokens must be an integer >= 1, got True"),
+    ("priority=True", lambda llm: llm.add_request("hi", GREEDY, priority=True),
+     r"priority must be an int, got True"),
     ("temperature=-0.5", lambda llm: llm.add_request("hi", SamplingParams(temperature=-0.5)),
      r"temperature must be a number >= 0"),
     # NaN slips past `t < 0`; it used to crash the sampler mid-step instead.
@@ -78,6 +88,19 @@ REQUEST_CASES = [
      r"top_k must be -1 or None \(disabled\) or an integer >= 1"),
     ("top_k=-2", lambda llm: llm.add_request("hi", SamplingParams(top_k=-2)),
      r"top_k must be -1 or None \(disabled\) or an integer >= 1"),
+    ("top_k=True", lambda llm: llm.add_request("hi", SamplingParams(top_k=True)),
+     r"top_k must be -1 or None \(disabled\) or an integer >= 1, got True"),
+    ("seed=True", lambda llm: llm.add_request("hi", SamplingParams(seed=True)),
+     r"seed must be None or an integer in \[0, 2\*\*64\), got True"),
+    # torch.Generator.manual_seed takes [-2**63, 2**64); a negative seed aliases another.
+    ("seed=2**64", lambda llm: llm.add_request("hi", SamplingParams(seed=2**64)),
+     r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
+    ("seed=-1", lambda llm: llm.add_request("hi", SamplingParams(seed=-1)),
+     r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+    ("stop_token_ids=[True]", lambda llm: llm.add_request("hi", SamplingParams(
+        stop_token_ids=[True])), r"stop_token_ids must be a list of integers >= 0, got \[True\]"),
+    ("stop_token_ids=None", lambda llm: llm.add_request("hi", SamplingParams(
+        stop_token_ids=None)), r"stop_token_ids must be a list of integers >= 0, got None"),
     ("top_p set to 1.5 after construction", lambda llm: llm.add_request("hi", _mutated(top_p=1.5)),
      r"top_p must be in \(0, 1\]"),
     ("max_tokens set to 0 after construction",
@@ -87,6 +110,8 @@ REQUEST_CASES = [
     ("2 prompts, 1 SamplingParams in a list",
      lambda llm: llm.generate(["a", "b"], [GREEDY], use_tqdm=False),
      r"sampling_params has 1 entries but there are 2 prompts"),
+    ("abort(3): request id is not a str", lambda llm: llm.abort(3),
+     r"request_id must be a str \(the id add_request returned\), got int 3"),
     ("one bad prompt among good ones (generate)",
      lambda llm: llm.generate(["hello", [5, VOCAB_SIZE], "world"], GREEDY, use_tqdm=False),
      rf"token ids must be in \[0, {VOCAB_SIZE}\)"),
@@ -111,6 +136,11 @@ CONFIG_CASES = [
      r"attention_backend must be one of \('auto', 'flash-attn', 'torch'\)"),
     ('attention_backend="flash-attn" on CPU', dict(attention_backend="flash-attn", device="cpu"),
      r"attention_backend='flash-attn' cannot be used"),
+    # The flag means what it says: no chunking at all, so a per-request chunk cap is a
+    # contradiction (it used to chunk a 20-token prompt into five chunks of 4).
+    ("long_prefill_token_threshold=4, chunked prefill off",
+     dict(long_prefill_token_threshold=4, enable_chunked_prefill=False, max_model_len=1024),
+     r"long_prefill_token_threshold must be None when enable_chunked_prefill is False, got 4"),
 ]
 
 
@@ -152,6 +182,22 @@ def test_boundary_prompts_are_accepted(llm):
     [out] = llm.generate(["hi"], _mutated(top_k=-1, temperature=0.5, max_tokens=2),
                          use_tqdm=False)
     assert len(out.token_ids) == 2
+
+
+def test_integer_like_ids_and_edge_seeds_are_accepted(llm):
+    """numpy integers are token ids (prompt and stop_token_ids); the seed range is exact."""
+    [expected] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    as_numpy = [np.int64(5), np.int32(6), np.uint16(7)]
+    assert [o.token_ids for o in llm.generate(as_numpy, GREEDY, use_tqdm=False)] == \
+        [expected.token_ids]  # one prompt of numpy ids, not three prompts
+    stop = SamplingParams(temperature=0.0, max_tokens=4,
+                          stop_token_ids=[np.int64(expected.token_ids[1])])
+    [out] = llm.generate([as_numpy], stop, use_tqdm=False)
+    assert out.finish_reason == "stop" and out.token_ids == expected.token_ids[:2]
+    for seed in [0, 2**64 - 1]:
+        params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed, ignore_eos=True)
+        runs = [llm.generate([[5, 6, 7]], params, use_tqdm=False)[0] for _ in range(2)]
+        assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 3
 
 
 def test_engine_keeps_serving_after_rejections(llm):
