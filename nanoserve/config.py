@@ -70,6 +70,9 @@ class EngineConfig:
              "one of ('auto', 'float32', 'float16', 'bfloat16')")
         need(self.trace_file is None or (isinstance(self.trace_file, str) and self.trace_file),
              "trace_file", "None or a file path")
+        # No chunking means none at all: a per-request chunk cap would contradict it.
+        need(self.enable_chunked_prefill or self.long_prefill_token_threshold is None,
+             "long_prefill_token_threshold", "None when enable_chunked_prefill is False")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(

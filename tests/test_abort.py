@@ -255,19 +255,19 @@ def test_forward_error_in_generate_static_policy_frees_finished_rows(monkeypatch
 
 
 def test_abort_finished_static_row_before_its_batch_ends():
-    """A static row that finished but whose output is not out yet (its batch is still
-    running) can still be aborted: its blocks come back at once, and its output comes out
-    with the reason it finished for (aborting does not rewrite a finished result)."""
+    """A static row that finished (with "length") but whose output is not out yet (its
+    batch is still running) did finish: abort() is the documented no-op (False), its
+    result is not rewritten, and its blocks come back when the batch drains (no leak)."""
     llm = small_llm(scheduling_policy="static", num_kv_blocks=16)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     a = llm.add_request(PROMPTS[0], short)
     b = llm.add_request(PROMPTS[1], GREEDY)
     while not llm.scheduler.idle_rows:
         assert llm.step() == []
-    held = len(llm.scheduler.idle_rows[0].block_table)
+    held = llm.scheduler.idle_rows[0].block_table
     free_before = llm.scheduler.block_manager.num_free_blocks
-    assert llm.abort(a) is True
-    assert llm.scheduler.block_manager.num_free_blocks == free_before + held
+    assert held and llm.abort(a) is False
+    assert llm.scheduler.block_manager.num_free_blocks == free_before  # still its batch's
     outputs = {}
     while llm.has_unfinished_requests():
         outputs.update((o.request_id, o) for o in llm.step())

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import sys
@@ -22,7 +23,7 @@ from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
 from nanoserve.engine.sequence import Request
 from nanoserve.models.loader import load_config
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, as_token_id, is_int
 from nanoserve.trace import Tracer
 from nanoserve.utils.bundled import default_model_dir
 
@@ -76,8 +77,12 @@ class LLM:
                 raise ValueError("prompt must be a list of token ids when skip_tokenizer_init "
                                  "is True")
             token_ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            token_ids, text = list(prompt), None
+        elif isinstance(prompt, list):  # numpy integers are token ids too, bools are not
+            token_ids, text = [as_token_id(t) for t in prompt], None
+            if None in token_ids:
+                t = prompt[token_ids.index(None)]
+                raise ValueError(f"prompt must be a str or a list of int token ids, got list "
+                                 f"containing {type(t).__name__} {t!r}")
         else:
             raise ValueError(f"prompt must be a str or a list of int token ids, "
                              f"got {type(prompt).__name__}")
@@ -98,8 +103,9 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")
+        params = copy.deepcopy(params)  # ours: the user's later changes have no effect
         params.validate()
-        if not isinstance(priority, int):
+        if not is_int(priority):
             raise ValueError(f"priority must be an int, got {priority!r}")
         return Request(str(next(self._ids)), token_ids, params, self.eos_token_ids,
                        priority=priority, prompt=text)
@@ -114,6 +120,9 @@ class LLM:
     def abort(self, request_id: str) -> bool:
         """Abort a waiting, running or preempted request; its output (finish_reason
         "abort") comes from the next step(). Unknown or finished ids: no-op, False."""
+        if not isinstance(request_id, str):  # abort(3) would silently miss request "3"
+            raise ValueError(f"request_id must be a str (the id add_request returned), "
+                             f"got {type(request_id).__name__} {request_id!r}")
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._pending.append(self._output(req))
@@ -159,7 +168,7 @@ class LLM:
         """Generate for all prompts; outputs come back in input order. Outputs of requests
         added earlier with add_request() that finish meanwhile are kept for the next step()."""
         if isinstance(prompts, str) or (
-                isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+                isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a str, a list of token ids or a list of those, "
@@ -195,7 +204,7 @@ class LLM:
                                     f"decode {tokens['decode'] / elapsed:.0f} tok/s")
         except BaseException:
             for req in requests:  # leave nothing of ours behind holding KV blocks
-                self.scheduler.abort(req.request_id)
+                self.scheduler.abort(req.request_id, drop_finished=True)
             raise
         finally:
             bar.close()
@@ -211,7 +220,7 @@ class LLM:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             if self.tokenizer is not None else "",
-            token_ids=req.output_token_ids, finish_reason=req.finish_reason.value,
+            token_ids=req.output_token_ids, finish_reason=req.finish_reason.value, error=req.error,
             metrics=RequestMetrics.from_request(req))
 
     def stats(self) -> EngineStats:

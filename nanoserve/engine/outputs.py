@@ -39,8 +39,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort" or "error"
     metrics: RequestMetrics
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass

@@ -173,7 +173,7 @@ class Scheduler:
     # -- §4: process the step's output ------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
+                           sampled_token_ids: dict[str, int | str]) -> list[Request]:
         """Advance each scheduled request, append its sampled token, check stops, and
         release finished requests. Returns the requests that left the engine this step."""
         now = time.monotonic()
@@ -184,10 +184,13 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req)
             if not entry.samples:
                 continue  # a prefill chunk: nothing sampled yet
-            req.append_token(sampled_token_ids[req.request_id])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = self._check_stop(req)
+            token = sampled_token_ids[req.request_id]
+            if isinstance(token, str):  # the sampler failed this row: only this request ends
+                req.error, reason = token, FinishReason.ERROR
+            else:
+                req.append_token(token)
+                req.first_token_time = req.first_token_time or now
+                reason = self._check_stop(req)
             if reason is not None:
                 req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
                 finished.append(req)
@@ -212,9 +215,10 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
         """Remove a waiting, running or preempted request and free its blocks. Unknown or
-        already finished ids are a no-op (returns None), as in vLLM."""
+        already finished ids are a no-op (returns None), as in vLLM. (`drop_finished`: see
+        StaticScheduler.abort.)"""
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)

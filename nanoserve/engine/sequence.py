@@ -31,6 +31,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # the sampler could not sample this request's row (Request.error says why)
 
 
 @dataclass(eq=False)  # identity equality: two requests are never "equal"
@@ -50,6 +51,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks cached so far
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # set when sampling_params.seed is given

@@ -60,12 +60,14 @@ class StaticScheduler(Scheduler):
             self.block_manager.free(req)
         return batch
 
-    def abort(self, request_id: str) -> Request | None:
-        """A finished row still waiting for its batch is handed out now, with its own
-        finish reason (it did finish), and its blocks come back at once."""
+    def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
+        """A finished row still waiting for its batch did finish: aborting it is a no-op
+        (None), it leaves with its batch. `drop_finished` (a failed generate(), whose
+        outputs nobody will read) removes it and frees its blocks now."""
         for req in self.idle_rows:
             if req.request_id == request_id:
-                self.idle_rows.remove(req)
-                self.block_manager.free(req)
-                return req
+                if drop_finished:
+                    self.idle_rows.remove(req)
+                    self.block_manager.free(req)
+                return None
         return super().abort(request_id)
