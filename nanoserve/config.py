@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from nanoserve.layers.attention import ATTENTION_BACKENDS, select_backend
 from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul
+from nanoserve.sampling_params import is_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
@@ -42,9 +43,6 @@ class EngineConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
 
         need(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,

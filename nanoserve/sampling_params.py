@@ -16,10 +16,8 @@ def is_int(value: object) -> bool:
 
 def as_token_id(value: object) -> int | None:
     """`value` as an int if it is integer-like (int, numpy.int64, ...; not bool), else None."""
-    if isinstance(value, bool):
-        return None
     try:
-        return operator.index(value)
+        return None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         return None
 
@@ -67,8 +65,7 @@ class SamplingParams:
         self.stop_token_ids = ids
         # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias others.
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), "
-                             f"got {self.seed!r}")
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -189,19 +189,25 @@ def test_a_request_that_cannot_be_sampled_finishes_with_an_error_alone(policy):
 
 
 def test_sampling_params_are_frozen_at_add_request():
+    """Changing the user's object after add_request changes nothing (it used to cut
+    max_tokens 8 -> 2)."""
+    expected = tiny_llm().generate([OTHER], SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].token_ids
     llm = tiny_llm()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rid = llm.add_request(OTHER, params)
     params.max_tokens = 2
-    params.temperature = math.nan  # would bypass validation and crash step()
-    params.stop_token_ids.append(12345)
-    params.top_k = 0
-    outputs = run(llm)  # no step raises
-    assert len(outputs[rid].token_ids) == 8
-    expected = tiny_llm().generate(
-        [OTHER], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-        use_tqdm=False)[0].token_ids
-    assert outputs[rid].token_ids == expected
+    params.stop_token_ids.append(expected[3])
+    assert run(llm)[rid].token_ids == expected
+
+
+def test_an_invalid_value_set_after_add_request_cannot_crash_step():
+    """temperature = nan after add_request used to bypass validation and crash step()."""
+    llm = tiny_llm()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rid = llm.add_request(OTHER, params)
+    params.temperature, params.top_k = math.nan, 0
+    assert len(run(llm)[rid].token_ids) == 4
 
 
 # -- what is guaranteed about reproducibility ------------------------------------------

@@ -13,9 +13,6 @@ import torch
 
 from nanoserve.sampling_params import SamplingParams
 
-NAN_LOGITS = "sampling failed: the model's logits for this request contain NaN"
-NO_TOKEN = "sampling failed: no token has a finite, non-zero probability"
-
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
@@ -29,9 +26,10 @@ class Sampler:
         greedy = logits.argmax(dim=-1, keepdim=True)
         # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
         nan_rows = logits.gather(1, greedy).isnan().flatten().tolist()
-        token_ids: list[int | str] = [NAN_LOGITS if nan else t
-                                      for nan, t in zip(nan_rows, greedy.flatten().tolist())]
-        rows = [i for i, p in enumerate(params) if not p.greedy and token_ids[i] != NAN_LOGITS]
+        token_ids: list[int | str] = [
+            "sampling failed: the logits contain NaN" if nan else t
+            for nan, t in zip(nan_rows, greedy.flatten().tolist())]
+        rows = [i for i, p in enumerate(params) if not p.greedy and not nan_rows[i]]
         if not rows:
             return token_ids
         probs, order = self._filtered_probs(logits[rows].cpu(), [params[i] for i in rows])
@@ -40,10 +38,10 @@ class Sampler:
         ok = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
         for j, i in enumerate(rows):
             if not ok[j]:
-                token_ids[i] = NO_TOKEN
-                continue
-            choice = torch.multinomial(probs[j], 1, generator=generators[i] or self.generator)
-            token_ids[i] = int(order[j, choice])
+                token_ids[i] = "sampling failed: no token has a finite, non-zero probability"
+            else:
+                choice = torch.multinomial(probs[j], 1, generator=generators[i] or self.generator)
+                token_ids[i] = int(order[j, choice])
         return token_ids
 
     @staticmethod
