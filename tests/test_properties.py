@@ -124,7 +124,9 @@ def workloads(draw):
         max_model_len=max_model_len, enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority", "static"])),
-        long_prefill_token_threshold=draw(st.one_of(st.none(), st.integers(1, 16))))
+        # Without chunking a per-request chunk cap is a config error.
+        long_prefill_token_threshold=draw(st.one_of(st.none(), st.integers(1, 16)))
+        if chunked else None)
     aborts = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, len(requests) - 1)),
                            max_size=3))
     return dict(block_size=block_size, num_kv_blocks=num_kv_blocks, config=config,
@@ -167,6 +169,8 @@ def run_workload(w: dict) -> FakeEngine:
 
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    if not w["config"]["enable_chunked_prefill"]:  # no chunk of any prompt, static included
+        assert all(s.samples for out in eng.outputs for s in out.scheduled)
     for i, r in enumerate(reqs):
         req = eng.requests[f"r{i}"]
         # The scheduler caps a request at what the whole cache holds.

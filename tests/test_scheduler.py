@@ -4,6 +4,7 @@ prefix caching's hashing, verification and eviction order."""
 
 from __future__ import annotations
 
+import pytest
 from fake_engine import FakeEngine, expected_output
 
 from nanoserve.engine.block_manager import BlockManager
@@ -343,3 +344,19 @@ def test_eviction_keeps_prefixes_as_long_as_possible():
     assert bm.get_computed_blocks(lookup)[1] == 4
     assert bm.allocate_slots(make_request("e", [9]), 1)  # must evict: b's tail, not head
     assert bm.get_computed_blocks(lookup)[1] == 2
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "static"])
+def test_no_chunked_prefill_means_no_chunk_in_any_policy(policy):
+    """enable_chunked_prefill=False: every prompt is computed in one step. A static batch
+    is admitted whole, so its prefills used to be cut by the budget anyway (30, 30, 4)."""
+    engine = FakeEngine(num_kv_blocks=64, block_size=4, scheduling_policy=policy,
+                        enable_chunked_prefill=False, max_num_batched_tokens=64,
+                        max_model_len=64, max_num_seqs=4)
+    prompts = {str(i): list(range(i, i + 30)) for i in range(3)}
+    for rid, prompt in prompts.items():
+        engine.add(rid, prompt, max_tokens=3)
+    done = {r.request_id: r for r in engine.run()}
+    assert all(s.samples for out in engine.outputs for s in out.scheduled)
+    for rid, prompt in prompts.items():
+        assert done[rid].output_token_ids == expected_output(prompt, 3)

@@ -84,8 +84,10 @@ class Scheduler:
                 break
             if req.status == RequestStatus.PREEMPTED:
                 continue  # evicted earlier in this step by a request ahead of it
-            num_new = self._num_new_tokens(req.num_tokens - req.num_computed_tokens,
-                                           token_budget)
+            num_remaining = req.num_tokens - req.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_remaining > token_budget:
+                continue  # a static batch's prompt: whole in a later step, never chunked
+            num_new = self._num_new_tokens(num_remaining, token_budget)
             # 2. No free block: preempt a victim (§6.3) and retry, until it fits or the
             #    victim is the request itself.
             while True:
