@@ -33,6 +33,9 @@ class Sampler:
         if not rows:
             return token_ids
         probs, order = self._filtered_probs(logits[rows].cpu(), [params[i] for i in rows])
+        # Draw in vocabulary order, not sorted order: a last-bit change of the logits (another
+        # batch shape) then moves probabilities a little instead of swapping near-tied tokens.
+        probs = torch.zeros_like(probs).scatter_(1, order, probs)
         # Every row is checked before anything is drawn, so a bad row never consumes random
         # numbers that a neighbour (sharing the engine's generator) would have drawn.
         ok = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
@@ -40,8 +43,8 @@ class Sampler:
             if not ok[j]:
                 token_ids[i] = "sampling failed: no token has a finite, non-zero probability"
             else:
-                choice = torch.multinomial(probs[j], 1, generator=generators[i] or self.generator)
-                token_ids[i] = int(order[j, choice])
+                token_ids[i] = int(torch.multinomial(
+                    probs[j], 1, generator=generators[i] or self.generator))
         return token_ids
 
     @staticmethod
