@@ -27,10 +27,8 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     temperature below 1e-5 (0 included) means greedy (argmax). top_k None (or -1, vLLM's
-    spelling) disables top-k. `seed` gives the request its own random generator, so no
-    other request draws from it: its tokens are reproducible for the same batch schedule
-    (not across batches of other shapes, whose logits differ in the last bits; README).
-    The engine keeps a validated copy: changing this object after add_request has no effect.
+    spelling) disables top-k. `seed` gives the request its own generator: reproducible for
+    the same batch schedule (README: what is guaranteed). The engine keeps its own copy.
     """
 
     temperature: float = 1.0

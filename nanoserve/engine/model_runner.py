@@ -173,8 +173,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> dict[str, int | str]:
-        """Run the step; return the sampled token of every request that samples (or, for
-        a row the sampler could not sample, its error message)."""
+        """Run the step; return each sampling request's token (or the sampler's error)."""
         inputs = prepare_inputs(out, self.block_size, self.device)
         meta = inputs.attn_metadata
         if self.graphs is not None and meta.num_prefill_tokens == 0 and self.graphs.can_run(meta):

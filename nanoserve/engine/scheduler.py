@@ -219,8 +219,7 @@ class Scheduler:
 
     def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
         """Remove a waiting, running or preempted request and free its blocks. Unknown or
-        already finished ids are a no-op (returns None), as in vLLM. (`drop_finished`: see
-        StaticScheduler.abort.)"""
+        already finished ids are a no-op (returns None), as in vLLM (and StaticScheduler's)."""
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)

@@ -52,10 +52,8 @@ class Sampler:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Probabilities over the vocabulary sorted descending (and that order), with
         top-k and top-p applied: tokens outside them get probability 0."""
-        # Huge temperatures (even inf) become float32's largest: -inf logits stay -inf
-        # instead of -inf / inf = NaN.
-        temperature = torch.tensor([p.temperature for p in params]).clamp(
-            max=torch.finfo(torch.float32).max).unsqueeze(1)
+        # min(): a huge temperature (even inf) stays finite in float32, so -inf / t = -inf, not NaN.
+        temperature = torch.tensor([min(p.temperature, 3e38) for p in params]).unsqueeze(1)
         logits, order = (logits / temperature).sort(dim=-1, descending=True)
         vocab = logits.shape[1]
         rank = torch.arange(vocab).unsqueeze(0)
