@@ -7,16 +7,26 @@ table, position by position, up to its context length. The next token is a hash 
 read. So a wrong slot, a stale or wrongly shared block, or a prefix-cache hit on KV that was
 never computed changes the output (or raises, for a slot never written), while a correct
 engine gives every request `next_token(its own tokens)`, whatever it was batched with.
+
+§2, §3, §6.3 step by step: `simulate()` drives the real schedulers and BlockManager with that
+runner (jobs with a prompt length, an exact output length and an arrival step) and records
+every step with nanoserve/trace.py. `FIGURES` are the chapter's figures; scripts/simulate.py
+prints and draws them, static batching above continuous.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import prepare_inputs
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
+from nanoserve.engine.sequence import Request, RequestStatus
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.trace import Tracer
 
 
 def next_token(token_ids: Sequence[int], vocab_size: int = 1000) -> int:
@@ -59,3 +69,121 @@ class KVReadingRunner:
                                      f"(position {read.index(None)})")
             sampled[req.request_id] = next_token(read, self.vocab_size)
         return sampled
+
+
+# -- §2, §3, §6.3 step by step: the real schedulers on this runner ------------------------
+
+
+@dataclass
+class Job:
+    """A request of exactly `output_len` tokens (EOS ignored), arriving once `arrival_step`
+    steps have run: step `arrival_step + 1` is the first that can take it."""
+
+    name: str  # one character: the request's letter in the grid
+    prompt_len: int
+    output_len: int
+    arrival_step: int = 0
+
+
+@dataclass
+class Simulation:
+    policy: str
+    num_slots: int
+    records: list[dict]  # the trace's step records (nanoserve/trace.py), steps 1..N
+    notes: list[str]  # each preemption (victim and why) and each recompute
+
+    def steps_of(self, name: str) -> list[int]:
+        """The steps in which `name` computed (a prefill chunk or a decode, not idle)."""
+        return [rec["step"] for rec in self.records for r in rec["rows"]
+                if r["request"] == name and r["role"] != "idle"]
+
+    def admitted(self, name: str) -> list[int]:
+        return [rec["step"] for rec in self.records if name in rec["admitted"]]
+
+    def grid(self) -> list[str]:
+        """Per slot, a character per step: the request's letter while it computes, '/' an
+        idle static row (§2), '!' its request was just preempted, '.' an empty seat."""
+        cells = [["."] * len(self.records) for _ in range(self.num_slots)]
+        for i, rec in enumerate(self.records):
+            for r in rec["rows"]:
+                cells[r["slot"]][i] = "/" if r["role"] == "idle" else r["request"]
+            for p in rec["preempted"]:
+                cells[p["slot"]][i] = "!"
+        return ["".join(row) for row in cells]
+
+    def summary(self) -> str:
+        text, total = "".join(self.grid()), len(self.records) * self.num_slots
+        useful, idle = sum(c.isalpha() for c in text), text.count("/")
+        return (f"{len(self.records)} steps x {self.num_slots} slots = {total} slot-steps: "
+                f"useful {useful} ({useful / total:.2%}), idle rows {idle} "
+                f"({idle / total:.2%}), empty {total - useful - idle}")
+
+
+def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_blocks: int = 256,
+             block_size: int = 4, token_budget: int = 256,
+             trace: str | None = None) -> Simulation:
+    """Run `jobs` on make_scheduler's real scheduler and BlockManager, KVReadingRunner in
+    place of the model. `trace`: also append the run to this JSON-lines file."""
+    config = EngineConfig(max_num_seqs=num_slots, max_num_batched_tokens=token_budget,
+                          max_model_len=num_blocks * block_size, scheduling_policy=policy,
+                          enable_prefix_caching=False)  # a preempted request recomputes all
+    sched = make_scheduler(config, num_blocks, block_size)
+    runner = KVReadingRunner(num_blocks, block_size)
+    tracer = Tracer(trace or "", "static" if policy == "static" else "continuous", policy,
+                    num_slots, token_budget, num_blocks, block_size, source="simulator")
+    # The running request refused a block is the one whose next token forces a preemption
+    # (§6.2): listen to the BlockManager, so that the notes can name it.
+    refused, allocate = [], sched.block_manager.allocate_slots
+
+    def allocate_and_listen(req: Request, *args: object) -> bool:
+        ok = allocate(req, *args)
+        if not ok and req.status == RequestStatus.RUNNING:
+            refused.append(req.request_id)
+        return ok
+
+    sched.block_manager.allocate_slots = allocate_and_listen
+    rule = "PRIORITY victim = lowest priority" if policy == "priority" else "FCFS victim = " \
+        "last admitted"
+    pending, records, notes, victims = sorted(jobs, key=lambda j: j.arrival_step), [], [], set()
+    while pending or sched.has_unfinished_requests():
+        step = len(records) + 1
+        while pending and pending[0].arrival_step < step:
+            job = pending.pop(0)
+            prompt = [(ord(job.name[0]) * 7 + i) % 997 for i in range(job.prompt_len)]
+            sched.add_request(Request(job.name, prompt, SamplingParams(
+                max_tokens=job.output_len, ignore_eos=True)))
+        out = sched.schedule()
+        if out.is_empty and not out.preempted and sched.has_unfinished_requests():
+            raise RuntimeError(f"step {step}: nothing scheduled although requests wait")
+        finished = [] if out.is_empty else sched.update_from_output(out, runner.execute_model(out))
+        records.append((tracer.record if trace else tracer.step_record)(out, finished, sched))
+        for row in records[-1]["rows"]:
+            if row["request"] in victims and row["request"] in records[-1]["admitted"]:
+                notes.append(f"step {step}: {row['request']} resumes and recomputes "
+                             f"{row['end'] - row['start']} tokens (prompt + generated)")
+        for victim, needy in zip([r.request_id for r in out.preempted], refused):
+            victims.add(victim)
+            notes.append(f"step {step}: {victim} preempted: no free KV block for {needy}'s "
+                         f"next token; {rule} = {victim}; to the front of waiting, KV dropped")
+        refused.clear()
+    return Simulation(policy, num_slots, records, notes)
+
+
+FIGURES: dict[str, tuple[list[Job], int, int, str]] = {  # jobs, slots, KV blocks, caption
+    "chapter2": ([Job("A", 4, 20), Job("B", 4, 500), Job("C", 4, 100)], 3, 256,
+                 "§2: three requests in one batch over 500 steps"),
+    "chapter2-example": ([Job(n, 4, k) for n, k in zip("ABCDEFGH", (20, 500, 30, 40, 50, 60,
+                         70, 80))], 8, 256, "§2: 8 requests, the longest 500 steps, the "
+                         "other 7 averaging 50"),
+    "chapter3": ([Job("A", 4, 3), Job("B", 4, 10), Job("C", 4, 5), Job("D", 4, 7),
+                  Job("E", 4, 5, 2), Job("F", 4, 4, 3), Job("G", 4, 6, 4)], 4, 256,
+                 "§3: 4 slots; A-D arrive together, E, F, G later; B ends at step 10"),
+    "preemption": ([Job("A", 4, 6), Job("B", 4, 9), Job("C", 4, 8), Job("D", 4, 4, 2)], 3, 6,
+                   "§6.3: a KV pool of 6 blocks of 4 tokens; D arrives at step 2"),
+}
+
+
+def run_figure(name: str, trace: str | None = None) -> list[Simulation]:
+    """The figure's jobs under static batching (§2), then continuous batching (FCFS, §3)."""
+    jobs, slots, blocks, _ = FIGURES[name]
+    return [simulate(jobs, policy, slots, blocks, trace=trace) for policy in ("static", "fcfs")]
