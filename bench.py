@@ -11,6 +11,8 @@ the sum of the requested lengths; whatever a system computes beyond that is wast
     python bench.py --workload chapter     # §2's example, with its picture
     python bench.py --quick                # smaller, ~1 min
     python bench.py --workload vllm-longtail --systems continuous,vllm   # vs real vLLM
+    python bench.py --workload batching         # §1: decode step time at 1/4/16/64 rows
+    python bench.py --workload prefill-stutter  # §7: a long prompt, chunked prefill off/on
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import report
+from benchmarks import report, steps
 from benchmarks.systems import DTYPES, Continuous, HFContinuous, HFStatic, Static, SystemResult
 from benchmarks.vllm_system import VLLM
 from benchmarks.workloads import WORKLOADS, make_workload
@@ -44,8 +46,10 @@ def concrete_dtype(dtype: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=WORKLOADS, default="longtail",
-                   help="vllm-longtail: 64 prompts of ~40..90 tokens, outputs clipped to 256")
+    p.add_argument("--workload", choices=(*WORKLOADS, *steps.STEP_WORKLOADS),
+                   default="longtail",
+                   help="vllm-longtail: 64 prompts of ~40..90 tokens, outputs clipped to 256; "
+                        "batching (§1) and prefill-stutter (§7): nanoserve's step times")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--model", default=None, help="HF-style directory (default: bundled SmolLM2)")
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model or default_model_dir()
+    if args.workload in steps.STEP_WORKLOADS:  # one engine, timed step by step
+        steps.run(args.workload, model_dir, args.dtype, args.quick, args.out, args.png)
+        return []
     wl = make_workload(args.workload, AutoTokenizer.from_pretrained(model_dir),
                        args.num_requests, args.seed, args.quick, args.arrival_rate,
                        args.max_num_seqs)
