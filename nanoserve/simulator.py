@@ -10,7 +10,7 @@ engine gives every request `next_token(its own tokens)`, whatever it was batched
 
 §2, §3, §6.3 step by step: `simulate()` drives the real schedulers and BlockManager with that
 runner (jobs with a prompt length, an exact output length and an arrival step) and records
-every step with nanoserve/trace.py. `FIGURES` are the chapter's figures; scripts/simulate.py
+every step with nanoserve/trace.py. scripts/simulate.py holds the chapter's figures and
 prints and draws them, static batching above continuous.
 """
 
@@ -167,23 +167,3 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
                          f"next token; {rule} = {victim}; to the front of waiting, KV dropped")
         refused.clear()
     return Simulation(policy, num_slots, records, notes)
-
-
-FIGURES: dict[str, tuple[list[Job], int, int, str]] = {  # jobs, slots, KV blocks, caption
-    "chapter2": ([Job("A", 4, 20), Job("B", 4, 500), Job("C", 4, 100)], 3, 256,
-                 "§2: three requests in one batch over 500 steps"),
-    "chapter2-example": ([Job(n, 4, k) for n, k in zip("ABCDEFGH", (20, 500, 30, 40, 50, 60,
-                         70, 80))], 8, 256, "§2: 8 requests, the longest 500 steps, the "
-                         "other 7 averaging 50"),
-    "chapter3": ([Job("A", 4, 3), Job("B", 4, 10), Job("C", 4, 5), Job("D", 4, 7),
-                  Job("E", 4, 5, 2), Job("F", 4, 4, 3), Job("G", 4, 6, 4)], 4, 256,
-                 "§3: 4 slots; A-D arrive together, E, F, G later; B ends at step 10"),
-    "preemption": ([Job("A", 4, 6), Job("B", 4, 9), Job("C", 4, 8), Job("D", 4, 4, 2)], 3, 6,
-                   "§6.3: a KV pool of 6 blocks of 4 tokens; D arrives at step 2"),
-}
-
-
-def run_figure(name: str, trace: str | None = None) -> list[Simulation]:
-    """The figure's jobs under static batching (§2), then continuous batching (FCFS, §3)."""
-    jobs, slots, blocks, _ = FIGURES[name]
-    return [simulate(jobs, policy, slots, blocks, trace=trace) for policy in ("static", "fcfs")]

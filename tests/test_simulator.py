@@ -4,10 +4,15 @@ real schedulers and BlockManager: the numbers, seats and steps each figure must 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from nanoserve.simulator import FIGURES, Job, next_token, run_figure, simulate
+from nanoserve.simulator import Job, next_token, simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # a script
+from simulate import FIGURES, run_figure  # noqa: E402
 
 
 def counts(sim) -> tuple[int, int]:
