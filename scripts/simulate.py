@@ -168,8 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("figure", choices=[*FIGURES, "all"])
     p.add_argument("--png", type=Path, default=None, help="draw the figure here")
     p.add_argument("--png-dir", type=Path, default=None, help="draw <dir>/sim-<figure>.png")
-    p.add_argument("--trace", default=None, help="append both runs to this JSON-lines file")
+    p.add_argument("--trace", default=None, help="write the runs to this JSON-lines file "
+                   "(overwritten), for scripts/trace_page.py")
     args = p.parse_args(argv)
+    if args.trace:
+        open(args.trace, "w").close()  # the tracer appends: start afresh
     for name in FIGURES if args.figure == "all" else [args.figure]:
         sims = run_figure(name, args.trace)
         print(f"== {name}: {FIGURES[name][3]}")
