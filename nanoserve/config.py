@@ -6,13 +6,14 @@ value is a ValueError that names the field and the allowed range."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from transformers import PretrainedConfig
 
 from nanoserve.layers.attention import ATTENTION_BACKENDS, select_backend
 from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul
-from nanoserve.sampling_params import is_int
+from nanoserve.sampling_params import check_field, is_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
@@ -40,28 +41,19 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        need(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
-        need(is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
-             "max_num_batched_tokens", ">= 1")
-        need(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
-             "max_model_len", "None or an integer >= 2")
-        need(self.block_size is None or (is_int(self.block_size) and self.block_size >= 1),
-             "block_size", "None or an integer >= 1")
-        need(self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
-             "num_kv_blocks", "None or an integer >= 1")
-        need(self.long_prefill_token_threshold is None or (
-            is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 1),
-             "long_prefill_token_threshold", "None or an integer >= 1")
+        need = partial(check_field, self)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            need(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, ">= 1")
+        for name, low in (("max_model_len", 2), ("block_size", 1), ("num_kv_blocks", 1),
+                          ("long_prefill_token_threshold", 1)):
+            value = getattr(self, name)
+            need(value is None or (is_int(value) and value >= low), name,
+                 f"None or an integer >= {low}")
         need(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
-        need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-             f"one of {SCHEDULING_POLICIES}")
-        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-             f"one of {ATTENTION_BACKENDS}")
+        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            need(getattr(self, name) in allowed, name, f"one of {allowed}")
         need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
@@ -73,20 +65,19 @@ class EngineConfig:
              "long_prefill_token_threshold", "None when enable_chunked_prefill is False")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False: "
-                "otherwise a long prompt could never be scheduled in one step")
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is "
+                             "False: otherwise a long prompt could never be scheduled in one step")
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto": bfloat16 on CUDA and on CPUs with bf16 matmul units, else float32."""
+    """"auto": bfloat16 on CUDA and on CPUs with bf16 matmul units, else float32 (on other
+    CPUs bf16 is emulated, slower than fp32)."""
     if dtype != "auto":
         return dtype
-    # bf16 on a CPU only where it has bf16 matmul units; emulated bf16 is slower than fp32.
     return "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
 
 
@@ -102,9 +93,9 @@ def resolve_block_size(backend_name: str, block_size: int | None) -> int:
 
 
 def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineConfig:
-    """A copy of `config` with device, dtype, attention backend, block size and
-    max_model_len decided, from the machine and the model's config.json only: it runs
-    before any weight is loaded or KV block allocated, so its errors come first."""
+    """A copy of `config` with device, dtype, attention backend, block size and max_model_len
+    decided from the machine and config.json alone: before any weight or KV block, so its
+    errors come first."""
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = auto_device if config.device == "auto" else config.device
     dtype = resolve_dtype(config.dtype, device)
@@ -116,7 +107,6 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
         raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
                          f"max_position_embeddings ({model_limit})")
     # replace() runs __post_init__ again, so the filled values are checked too.
-    return replace(config, device=device, dtype=dtype,
-                   attention_backend=backend,
+    return replace(config, device=device, dtype=dtype, attention_backend=backend,
                    block_size=resolve_block_size(backend, config.block_size),
                    max_model_len=max_model_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from functools import partial
 
 # vLLM's: a temperature below it is greedy (dividing logits by it overflows float32).
 _SAMPLING_EPS = 1e-5
@@ -12,6 +13,12 @@ _SAMPLING_EPS = 1e-5
 def is_int(value: object) -> bool:
     """bools are ints to Python, not to us (EngineConfig rejects them too)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_field(obj: object, ok: bool, name: str, allowed: str) -> None:
+    """Every bad setting is this ValueError: the field, what it must be, what it got."""
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {getattr(obj, name)!r}")
 
 
 def as_token_id(value: object) -> int | None:
@@ -44,26 +51,24 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
+        need = partial(check_field, self)
         if self.top_k == -1:  # here, not in __post_init__: params may be changed after init
             self.top_k = None
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        # `not t >= 0` (rather than `t < 0`) also rejects NaN, which would crash the sampler.
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be -1 or None (disabled) or an integer >= 1, "
-                             f"got {self.top_k!r}")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        # NaN fails `t >= 0` (where `t < 0` would let it through to crash the sampler).
+        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+             "temperature", "a number >= 0")
+        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(self.top_k is None or (is_int(self.top_k) and self.top_k >= 1),
+             "top_k", "-1 or None (disabled) or an integer >= 1")
         stop = self.stop_token_ids
         ids = [as_token_id(t) for t in stop] if isinstance(stop, (list, tuple)) else [None]
-        if not all(t is not None and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {stop!r}")
+        need(all(t is not None and t >= 0 for t in ids), "stop_token_ids",
+             "a list of integers >= 0")
         self.stop_token_ids = ids
         # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias others.
-        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
+             "seed", "None or an integer in [0, 2**64)")
 
     @property
     def greedy(self) -> bool:

@@ -1,17 +1,12 @@
-"""§5 without a model: a stand-in runner whose next token depends on the KV it reads.
+"""§5 without a model, and §2, §3, §6.3 step by step.
 
-`KVReadingRunner` runs a step the way the ModelRunner does, through the real, pure
-`prepare_inputs`, but its "KV cache" holds token ids: every new token's id is written at its
-slot (`slot_mapping`), and every sampling row reads its context back through its block
-table, position by position, up to its context length. The next token is a hash of what it
-read. So a wrong slot, a stale or wrongly shared block, or a prefix-cache hit on KV that was
-never computed changes the output (or raises, for a slot never written), while a correct
-engine gives every request `next_token(its own tokens)`, whatever it was batched with.
+`KVReadingRunner` runs a step like the ModelRunner, through the real `prepare_inputs`, but
+its "KV cache" holds token ids, written at each new token's slot and read back by each
+sampling row through its block table; the next token is a hash of what it read. So a wrong
+slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
 
-§2, §3, §6.3 step by step: `simulate()` drives the real schedulers and BlockManager with that
-runner (jobs with a prompt length, an exact output length and an arrival step) and records
-every step with nanoserve/trace.py. scripts/simulate.py holds the chapter's figures and
-prints and draws them, static batching above continuous.
+`simulate()` drives the real schedulers and BlockManager with that runner and records every
+step with nanoserve/trace.py; scripts/simulate.py draws the chapter's figures from it.
 """
 
 from __future__ import annotations
@@ -71,9 +66,6 @@ class KVReadingRunner:
         return sampled
 
 
-# -- §2, §3, §6.3 step by step: the real schedulers on this runner ------------------------
-
-
 @dataclass
 class Job:
     """A request of exactly `output_len` tokens (EOS ignored), arriving once `arrival_step`
@@ -120,8 +112,7 @@ class Simulation:
 
 
 def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_blocks: int = 256,
-             block_size: int = 4, token_budget: int = 256,
-             trace: str | None = None) -> Simulation:
+             block_size: int = 4, token_budget: int = 256, trace: str | None = None) -> Simulation:
     """Run `jobs` on make_scheduler's real scheduler and BlockManager, KVReadingRunner in
     place of the model. `trace`: also append the run to this JSON-lines file."""
     config = EngineConfig(max_num_seqs=num_slots, max_num_batched_tokens=token_budget,
@@ -129,7 +120,7 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
                           enable_prefix_caching=False)  # a preempted request recomputes all
     sched = make_scheduler(config, num_blocks, block_size)
     runner = KVReadingRunner(num_blocks, block_size)
-    tracer = Tracer(trace or "", "static" if policy == "static" else "continuous", policy,
+    tracer = Tracer(trace or None, "static" if policy == "static" else "continuous", policy,
                     num_slots, token_budget, num_blocks, block_size, source="simulator")
     # The running request refused a block is the one whose next token forces a preemption
     # (§6.2): listen to the BlockManager, so that the notes can name it.
@@ -142,8 +133,8 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
         return ok
 
     sched.block_manager.allocate_slots = allocate_and_listen
-    rule = "PRIORITY victim = lowest priority" if policy == "priority" else "FCFS victim = " \
-        "last admitted"
+    rule = "PRIORITY victim = lowest priority" if policy == "priority" else \
+        "FCFS victim = last admitted"
     pending, records, notes, victims = sorted(jobs, key=lambda j: j.arrival_step), [], [], set()
     while pending or sched.has_unfinished_requests():
         step = len(records) + 1
@@ -156,7 +147,7 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
         if out.is_empty and not out.preempted and sched.has_unfinished_requests():
             raise RuntimeError(f"step {step}: nothing scheduled although requests wait")
         finished = [] if out.is_empty else sched.update_from_output(out, runner.execute_model(out))
-        records.append((tracer.record if trace else tracer.step_record)(out, finished, sched))
+        records.append(tracer.record(out, finished, sched))
         for row in records[-1]["rows"]:
             if row["request"] in victims and row["request"] in records[-1]["admitted"]:
                 notes.append(f"step {step}: {row['request']} resumes and recomputes "

@@ -1,10 +1,10 @@
 """§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/trace_page.py`.
 
-Per step: each batch row with its seat and role (prefill chunk, decode, or a static "idle
-row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks, who was
-admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not a
-KV position): the lowest free one on admission, kept while running (static: also while
-idle), freed at finish or preemption; `running` is a queue, so the tracer keeps seats."""
+A run's header line, then per step: each batch row with its seat and role (prefill chunk,
+decode, or a static "idle row" = "slot quay không"), the token budget spent, waiting queue,
+free KV blocks, who was admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the
+chapter's "slot" (not a KV position): the lowest free one on admission, kept while running
+(static: also while idle), freed at finish or preemption; the tracer keeps them."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 
 
 class Tracer:
-    """Call `record()` once per step, after `update_from_output()`. It appends to `path`,
-    so one file can hold several runs; the header line comes with the first step."""
+    """Call `record()` once per step, after `update_from_output()`."""
 
-    def __init__(self, path: str, name: str, policy: str, max_num_seqs: int, token_budget: int,
-                 num_blocks: int, block_size: int, source: str = "engine") -> None:
+    def __init__(self, path: str | None, name: str, policy: str, max_num_seqs: int,
+                 token_budget: int, num_blocks: int, block_size: int, source: str = "engine",
+                 ) -> None:
         self.path = path
         self.header = {"type": "run", "name": name, "policy": policy,
                        "max_num_seqs": max_num_seqs, "token_budget": token_budget,
@@ -31,12 +31,11 @@ class Tracer:
 
     def step_record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                     time_ms: float | None = None) -> dict[str, Any]:
-        """Build one step line (and move seats). `out` is the step's SchedulerOutput."""
+        """This step's line (and the seats it frees and takes)."""
         self.num_steps += 1
         live = {r.request_id for group in (scheduler.running, out.idle_rows, finished,
                 out.preempted, [s.request for s in out.scheduled]) for r in group}
-        for rid in [rid for rid in self.seats if rid not in live]:
-            del self.seats[rid]  # left between steps (aborted): its seat is free again
+        self.seats = {rid: k for rid, k in self.seats.items() if rid in live}  # aborted: freed
         admitted = {r.request_id for r in out.admitted}
         # Continuous: victims leave before anyone is admitted. Static: a batch is admitted
         # first and one of its own rows can be the victim, so it sits down, then leaves.
@@ -53,8 +52,7 @@ class Tracer:
             end = req.num_computed_tokens  # recorded after the step: these n are computed
             decode = n == 1 and s.samples and end - 1 >= req.num_prompt_tokens
             rows.append({"request": req.request_id, "slot": self.seats[req.request_id],
-                         "role": "decode" if decode else "prefill", "start": end - n,
-                         "end": end})
+                         "role": "decode" if decode else "prefill", "start": end - n, "end": end})
         rows += [{"request": r.request_id, "slot": self.seats[r.request_id], "role": "idle"}
                  for r in out.idle_rows]
         rule = ("PRIORITY: lowest priority, then latest arrival" if self.header["policy"] ==
@@ -79,10 +77,11 @@ class Tracer:
 
     def record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                time_ms: float | None = None) -> dict[str, Any]:
-        """Append this step's line (and the run's header line before the first one)."""
+        """This step's line, appended to `path` if any (one file can hold several runs)."""
         record = self.step_record(out, finished, scheduler, time_ms)
-        lines = ([self.header] if record["step"] == 1 else []) + [record]
-        with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
-            f.writelines(json.dumps(x) + "\n" for x in lines)
+        if self.path is not None:
+            lines = ([self.header] if record["step"] == 1 else []) + [record]
+            with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
+                f.writelines(json.dumps(x) + "\n" for x in lines)
         return record
 

@@ -227,8 +227,8 @@ MUTANTS = [
            "a seeded request draws from the engine's generator",
            "seed: a request's draws are reproducible, whatever its batch"),
     Mutant("sampled_row_mixed_up", SAMPLER,
-           "token_ids[i] = int(order[j, choice])", "token_ids[i] = int(order[i, choice])",
-           "a sampled row takes its token id from another row's order",
+           "probs[j], 1, generator=", "probs[i], 1, generator=",
+           "a sampled row draws from another row's probabilities",
            "each row samples from its own logits"),
 ]
 

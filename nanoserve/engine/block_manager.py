@@ -1,13 +1,11 @@
-"""§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once.
+"""§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once: a request
+that finishes returns its blocks to the free pool in the same step, and a new request takes
+blocks from the pool as its tokens are computed.
 
-Continuous batching needs memory that can be handed out and taken back at any step
-(§5): a request that finishes returns its blocks to the free pool in the same step, and
-a new request takes blocks from the pool as its tokens are computed.
-
-Prefix caching: each *full* block gets a hash chained from its parent's hash and its
-token ids, so equal hashes mean equal prefixes. A block whose KV has been computed is
-registered under its hash and stays reusable after it is freed, until the pool needs
-it back. A hit is verified against the stored token ids (hashes can collide).
+Prefix caching: each *full* block gets a hash chained from its parent's hash and its token
+ids, so equal hashes mean equal prefixes. A block whose KV has been computed is registered
+under its hash and stays reusable after it is freed, until the pool needs it back. A hit
+is verified against the stored token ids (hashes can collide).
 
 Invariants (checked by the property tests after every step):
     num_free_blocks + num_used_blocks == num_blocks
@@ -150,11 +148,8 @@ class BlockManager:
                 self.free_blocks[block_id] = None  # back of the pool
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
-        req.block_table = []
-        req.block_hashes = []
+        req.block_table, req.block_hashes = [], []
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        if self.prefix_cache_queries == 0:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
+        return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)

@@ -1,12 +1,11 @@
 """CUDA graphs for decode steps (GPU only; never used on CPU).
 
-A decode step launches hundreds of small kernels; on a GPU their launch cost, not the
-arithmetic, sets the step time (§1: decode is memory bound). A CUDA graph records the
-launches once per batch size and replays them with one call. Shapes must be fixed, so
-graphs are captured for a ladder of batch sizes and a decode batch is padded up to the
-next captured size. Padding rows write their K/V into the runner's padding block, which
-belongs to no request, and read one key from it. If capture fails (a kernel that syncs
-with the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly.
+A decode step launches hundreds of small kernels, and on a GPU their launch cost, not the
+arithmetic, sets the step time (§1: decode is memory bound). A graph records the launches
+once and replays them in one call, for fixed shapes only: graphs are captured for a ladder
+of batch sizes and a decode batch is padded to the next one, its padding rows writing and
+reading only the padding block (no request's). If capture fails (a kernel that syncs with
+the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
@@ -21,8 +21,7 @@ from nanoserve.layers.attention import AttentionMetadata
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to and including max_num_seqs."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
 
 
@@ -37,18 +36,12 @@ def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: At
     """Pad a decode batch of n rows to `batch_size` rows and its block tables to
     `max_blocks` columns. Padding rows: token 0 at position 0, K/V written to the first
     slot of `padding_block`, and attention over that one slot only."""
-    n, device = meta.num_decode_tokens, input_ids.device
-
-    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
-        out = torch.full((batch_size,), value, dtype=t.dtype, device=device)
-        out[:n] = t
-        return out
-
-    tables = torch.full((batch_size, max_blocks), padding_block, dtype=torch.int32, device=device)
-    tables[:n, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-    padding_slot = padding_block * block_size
-    return (pad(input_ids, 0), pad(positions, 0), pad(meta.slot_mapping, padding_slot),
-            pad(meta.decode_context_lens, 1), tables)
+    rows = (0, batch_size - meta.num_decode_tokens)  # F.pad: (before, after) on the last dim
+    tables = meta.decode_block_tables
+    return (F.pad(input_ids, rows), F.pad(positions, rows),
+            F.pad(meta.slot_mapping, rows, value=padding_block * block_size),
+            F.pad(meta.decode_context_lens, rows, value=1),
+            F.pad(tables, (0, max_blocks - tables.shape[1], *rows), value=padding_block))
 
 
 class CUDAGraphRunner:
@@ -60,10 +53,9 @@ class CUDAGraphRunner:
         self.padding_block, self.block_size = padding_block, block_size
         self.sizes = graph_batch_sizes(max_num_seqs)
         max_bs, device = self.sizes[-1], next(model.parameters()).device
-        # Static buffers: a graph reads its inputs from fixed addresses.
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # Static buffers: a graph reads its inputs from fixed addresses (three int64 rows here).
+        self.input_ids, self.positions, self.slot_mapping = torch.zeros(
+            3, max_bs, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

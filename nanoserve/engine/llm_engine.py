@@ -56,17 +56,14 @@ class LLM:
         self._ids = itertools.count()
 
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
-        ids = [getattr(hf_config, "eos_token_id", None)]
-        if self.tokenizer is not None:
-            ids.append(self.tokenizer.eos_token_id)
+        ids = [getattr(hf_config, "eos_token_id", None),
+               getattr(self.tokenizer, "eos_token_id", None)]  # None without a tokenizer
         try:
             ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
         except OSError:  # no generation_config.json
             pass
         flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
         return frozenset(flat)
-
-    # -- requests ---------------------------------------------------------------------
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
         """Validate everything and build the Request; changes no engine state."""
@@ -138,8 +135,6 @@ class LLM:
                              self.config.max_num_seqs, self.config.max_num_batched_tokens,
                              bm.num_blocks, bm.block_size, source)
 
-    # -- the loop ---------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
         """One iteration (§4): schedule, run the model, process outputs. Returns the
         requests that finished (or were aborted) in this step."""
@@ -183,22 +178,22 @@ class LLM:
         requests = [self._make_request(p, sp, 0) for p, sp in zip(prompts, params)]
         for req in requests:  # all validated: only now does engine state change
             self.scheduler.add_request(req)
-        mine = {r.request_id: i for i, r in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
-        remaining, strays = len(requests), []
+        mine = {r.request_id for r in requests}
+        results: dict[str, RequestOutput] = {}
+        strays: list[RequestOutput] = []
         bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         tokens = {"prefill": 0, "decode": 0}
         start = time.perf_counter()
         try:
-            while remaining > 0:
+            while len(results) < len(requests):
                 for output in self.step():
-                    if output.request_id not in mine:
+                    if output.request_id in mine:
+                        results[output.request_id] = output
+                        bar.update(1)
+                    else:
                         strays.append(output)
-                        continue
-                    results[mine[output.request_id]] = output
-                    remaining -= 1
-                    bar.update(1)
-                self._count_tokens(tokens)
+                for entry in self.last_scheduler_output.scheduled:
+                    tokens["decode" if entry.is_decode else "prefill"] += entry.num_new_tokens
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(f"prefill {tokens['prefill'] / elapsed:.0f} tok/s, "
                                     f"decode {tokens['decode'] / elapsed:.0f} tok/s")
@@ -209,11 +204,7 @@ class LLM:
         finally:
             bar.close()
             self._pending += strays
-        return results
-
-    def _count_tokens(self, tokens: dict[str, int]) -> None:
-        for entry in self.last_scheduler_output.scheduled:
-            tokens["decode" if entry.is_decode else "prefill"] += entry.num_new_tokens
+        return [results[r.request_id] for r in requests]
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -236,15 +227,11 @@ class LLM:
                    f"{s.request.num_computed_tokens})" for s in out.scheduled if not s.is_decode]
         parts = [f"step {self.num_steps:4d}", f"decode {' '.join(decode) or '-'}",
                  f"prefill {' '.join(prefill) or '-'}"]
-        if out.idle_rows:
-            parts.append(f"idle {' '.join(r.request_id for r in out.idle_rows)}")
-        if out.preempted:
-            parts.append(f"PREEMPTED {' '.join(r.request_id for r in out.preempted)}")
-        if finished:
-            parts.append("finished " + " ".join(
-                f"{r.request_id}({r.finish_reason.value})" for r in finished))
-        bm = self.scheduler.block_manager
-        parts += [f"budget {out.num_scheduled_tokens}/{out.token_budget}",
-                  f"waiting {len(self.scheduler.waiting)}",
+        events = {"idle": [r.request_id for r in out.idle_rows],
+                  "PREEMPTED": [r.request_id for r in out.preempted],
+                  "finished": [f"{r.request_id}({r.finish_reason.value})" for r in finished]}
+        parts += [f"{label} {' '.join(ids)}" for label, ids in events.items() if ids]
+        bm, waiting = self.scheduler.block_manager, len(self.scheduler.waiting)
+        parts += [f"budget {out.num_scheduled_tokens}/{out.token_budget}", f"waiting {waiting}",
                   f"free blocks {bm.num_free_blocks}/{bm.num_blocks}"]
         return " | ".join(parts)

@@ -1,13 +1,11 @@
 """§4 ("one forward step") and §5: run one scheduled step on the model.
 
 Selective batching (Orca): the new tokens of *all* scheduled requests are flattened into
-one batch of `num_tokens` rows, whatever mix of prefill chunks and decodes they are. The
-linear layers don't care where a request ends; only attention does, and it learns that
-from the explicit `AttentionMetadata` built here. K/V of every new token is written into
-the paged cache at the slot given by `slot_mapping`.
-
-Row order (the invariant `AttentionMetadata` documents): decode rows first (requests with
-exactly one new token, then the static policy's idle rows), then prefill chunks.
+one batch of rows, whatever mix of prefill chunks and decodes they are. The linear layers
+don't care where a request ends; only attention does, and it learns that from the
+`AttentionMetadata` built here. Rows come in this order: decodes (requests with exactly one
+new token, then the static policy's idle rows), then prefill chunks. Each new token's K/V
+is written into the paged cache at its slot (`slot_mapping`).
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class ModelInputs:
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """Flatten a step into rows: decodes, then static idle rows, then prefill chunks. Reads
-    `out` and the requests' token_ids, num_computed_tokens and block_table; changes nothing."""
+    """The step's rows, in the order above. Reads `out` and its requests; changes nothing."""
     # (request, first position, number of new tokens, samples?)
     decode_rows = [(s.request, s.request.num_computed_tokens, 1, s.samples)
                    for s in out.scheduled if s.is_decode]
@@ -54,8 +51,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         chunk = range(start, start + n)
         input_ids.extend(req.token_ids[start:start + n])
         positions.extend(chunk)
-        slots.extend(req.block_table[p // block_size] * block_size + p % block_size
-                     for p in chunk)
+        slots.extend(req.block_table[p // block_size] * block_size + p % block_size for p in chunk)
         if samples:
             sample_indices.append(len(positions) - 1)
             sample_requests.append(req)
@@ -107,22 +103,16 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
-                                          padding_block=self.num_kv_blocks,
-                                          block_size=self.block_size)
-
-    # -- KV cache ---------------------------------------------------------------------
+                                          self.num_kv_blocks, self.block_size)  # padding block
 
     def kv_bytes_per_block(self) -> int:
-        layer = self.attn_layers[0]
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * \
-            layer.head_dim * elem
+        layer = self.attn_layers[0]  # K and V of block_size tokens, in every layer
+        return (2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim
+                * self.dtype.itemsize)
 
     def _kv_blocks_from_memory(self) -> int:
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-        else:
-            budget = int(self.config.kv_cache_memory_gib * 2**30)
+        budget = self._cuda_kv_budget() if self.device.type == "cuda" else \
+            int(self.config.kv_cache_memory_gib * 2**30)
         num_blocks = budget // self.kv_bytes_per_block() - 1  # the sink block is in budget too
         if num_blocks < 1:
             raise ValueError("the KV cache memory budget is smaller than one block; raise "
@@ -168,8 +158,6 @@ class ModelRunner:
             step.scheduled.append(ScheduledRequest(req, n, samples=False))
         inputs = prepare_inputs(step, self.block_size, self.device)
         self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-
-    # -- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> dict[str, int | str]:

@@ -1,13 +1,11 @@
-"""§6.1–§6.3: the iteration-level Scheduler (after vLLM V1's scheduler.py).
+"""§6.1–§6.3: the iteration-level Scheduler (after vLLM V1's scheduler.py); the §2 baseline,
+static batching, is its own class in static_scheduler.py.
 
-Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blocks).
-Every step `schedule()` spends a token budget in the order of §6.2: running requests
-first, preempting by recompute when the BlockManager has no free block (§6.3); then,
-only if nothing was preempted, waiting requests. After the forward pass
-`update_from_output()` appends sampled tokens, checks stops and frees the blocks of
-finished requests at once (§3, §4), so the next step can use them.
-
-The §2 baseline (static batching) is its own class, in static_scheduler.py.
+Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blocks). Every
+step `schedule()` spends a token budget in the order of §6.2: running requests first,
+preempting by recompute when the BlockManager has no free block (§6.3); then, only if
+nothing was preempted, waiting requests. After the forward pass `update_from_output()`
+appends sampled tokens, checks stops and frees finished requests' blocks at once (§3, §4).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from dataclasses import dataclass, field
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import FinishReason, Request, RequestStatus
-from nanoserve.engine.waiting_queue import make_waiting_queue
+from nanoserve.engine.waiting_queue import FCFSQueue, PriorityQueue
 
 
 @dataclass
@@ -62,7 +60,7 @@ class Scheduler:
         self.block_manager = BlockManager(num_kv_blocks, block_size, config.enable_prefix_caching)
         # A request can never hold more tokens than the whole cache: it stops there.
         self.max_model_len_in_cache = min(config.max_model_len, num_kv_blocks * block_size)
-        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.waiting = PriorityQueue() if config.scheduling_policy == "priority" else FCFSQueue()
         self.running: deque[Request] = deque()
         self.num_preemptions = 0
 
@@ -70,11 +68,10 @@ class Scheduler:
         self.waiting.push(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
-
-    # -- §6.2: one schedule step ------------------------------------------------------
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """§6.2: one schedule step, its decisions in the chapter's order (1-3 below)."""
         token_budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(token_budget=token_budget)
 
@@ -90,10 +87,7 @@ class Scheduler:
             num_new = self._num_new_tokens(num_remaining, token_budget)
             # 2. No free block: preempt a victim (§6.3) and retry, until it fits or the
             #    victim is the request itself.
-            while True:
-                allocated = self.block_manager.allocate_slots(req, num_new)
-                if allocated:
-                    break
+            while not (allocated := self.block_manager.allocate_slots(req, num_new)):
                 victim = self._pick_victim()
                 token_budget += self._preempt_request(victim, out)
                 if victim is req:
@@ -146,11 +140,9 @@ class Scheduler:
         samples = req.num_computed_tokens + num_new == req.num_tokens
         out.scheduled.append(ScheduledRequest(req, num_new, samples))
 
-    # -- §6.3: preemption by recompute ------------------------------------------------
-
     def _pick_victim(self) -> Request:
-        """FCFS: the request that joined `running` last. PRIORITY: the largest
-        (priority, arrival_time), i.e. the least important, then the latest arrival."""
+        """§6.3, preemption by recompute. FCFS: the request that joined `running` last.
+        PRIORITY: the largest (priority, arrival_time): least important, latest arrival."""
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
@@ -172,12 +164,10 @@ class Scheduler:
                 return entry.num_new_tokens
         return 0
 
-    # -- §4: process the step's output ------------------------------------------------
-
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: dict[str, int | str]) -> list[Request]:
-        """Advance each scheduled request, append its sampled token, check stops, and
-        release finished requests. Returns the requests that left the engine this step."""
+        """§4, process the step's output: advance each scheduled request, append its sampled
+        token, check stops, release finished requests. Returns those that left this step."""
         now = time.monotonic()
         finished: list[Request] = []
         for entry in out.scheduled:
@@ -224,12 +214,11 @@ class Scheduler:
             if req.request_id == request_id:
                 self.running.remove(req)
                 self.block_manager.free(req)
-                return self._mark_aborted(req)
-        req = self.waiting.remove(request_id)
-        return self._mark_aborted(req) if req is not None else None
-
-    @staticmethod
-    def _mark_aborted(req: Request) -> Request:
+                break
+        else:  # not running: waiting (or preempted), or unknown
+            req = self.waiting.remove(request_id)
+            if req is None:
+                return None
         req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
         req.finish_time = time.monotonic()
         return req

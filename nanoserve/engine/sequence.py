@@ -56,8 +56,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # set when sampling_params.seed is given
 
-    # Metrics timestamps (time.monotonic()).
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # metrics timestamps: time.monotonic()
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -1,10 +1,9 @@
 """§2: static batching, the baseline continuous batching is measured against.
 
-Same BlockManager, same Request, same running loop as the continuous Scheduler; only
-admission and release differ, as in HF `generate`:
-  - a batch is admitted whole, and only when the previous batch has left;
-  - a request that finishes keeps its seat and its blocks, and its row is still computed
-    (an "idle row", pure waste) until every request of the batch is done.
+Same BlockManager, Request and running loop as the continuous Scheduler; only admission
+and release differ, as in HF `generate`: a batch is admitted whole, only when the previous
+batch has left, and a request that finishes keeps its seat and blocks, its row still
+computed (an "idle row", pure waste) until every request of the batch is done.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ class StaticScheduler(Scheduler):
         return batch
 
     def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
-        """A finished row still waiting for its batch did finish: aborting it is a no-op
-        (None), it leaves with its batch. `drop_finished` (a failed generate(), whose
-        outputs nobody will read) removes it and frees its blocks now."""
+        """Aborting a finished row waiting for its batch is a no-op (None): it leaves with its
+        batch, unless `drop_finished` (a failed generate()) removes it and frees its blocks."""
         for req in self.idle_rows:
             if req.request_id == request_id:
                 if drop_finished:

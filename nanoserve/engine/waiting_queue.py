@@ -2,34 +2,34 @@
 
 FCFS (and static): arrival order; a preempted request goes back to the *front*, so it
 resumes before requests that never ran. PRIORITY: smallest (priority, arrival_time)
-first; a preempted request simply re-enters the heap, which puts it where it belongs.
+first; a preempted request simply re-enters in that order, which puts it where it belongs.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
+import bisect
 from collections.abc import Iterator
 
 from nanoserve.engine.sequence import Request
 
 
 class FCFSQueue:
+    """A list in service order: `peek()` and `pop()` take the front."""
+
     def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
+        self._queue: list[Request] = []
 
     def push(self, req: Request) -> None:
         self._queue.append(req)
 
     def push_front(self, req: Request) -> None:
-        self._queue.appendleft(req)
+        self._queue.insert(0, req)
 
     def peek(self) -> Request:
         return self._queue[0]
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        return self._queue.pop(0)
 
     def remove(self, request_id: str) -> Request | None:
         for req in self._queue:
@@ -45,36 +45,9 @@ class FCFSQueue:
         return iter(self._queue)
 
 
-class PriorityQueue:
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()  # tie-breaker: Requests are not comparable
-
+class PriorityQueue(FCFSQueue):
     def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
+        # insort_right: after equal keys, so ties keep their push order.
+        bisect.insort_right(self._queue, req, key=lambda r: (r.priority, r.arrival_time))
 
-    push_front = push  # the heap order already decides where a preempted request goes
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, request_id: str) -> Request | None:
-        for i, entry in enumerate(self._heap):
-            if entry[3].request_id == request_id:
-                self._heap.pop(i)
-                heapq.heapify(self._heap)  # O(n), but abort is rare
-                return entry[3]
-        return None
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
-
-
-def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    return PriorityQueue() if policy == "priority" else FCFSQueue()
+    push_front = push  # the order already decides where a preempted request goes

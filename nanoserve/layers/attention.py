@@ -1,17 +1,11 @@
 """§5: attention over the paged KV cache.
 
-Every step the ModelRunner flattens the new tokens of all scheduled requests into one
-batch (Orca's selective batching). Only attention needs to know where one request ends
-and the next begins; that knowledge travels in an explicit `AttentionMetadata` object.
-
-Batch layout (an invariant the ModelRunner guarantees):
+Only attention needs to know where one request of the flattened batch (model_runner.py)
+ends and the next begins; it reads that from `AttentionMetadata`. Rows are
     [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
-"Decode" here means only "this request computes exactly one new token this step";
-a one-token prefill chunk takes the same path, and that is correct for it too.
-
-The two attention calls use flash-attn's signatures. On CUDA with flash_attn importable
-(fp16/bf16, compute capability >= 8.0) they are flash-attn's kernels; otherwise they are
-the torch twins in `torch_attention.py`, which check flash-attn's argument contract.
+where "decode" means only "computes exactly one new token this step" (a one-token prefill
+chunk takes the same path, correctly). The two calls have flash-attn's signatures: its
+kernels on CUDA where flash_attn can run (`select_backend`), else torch_attention.py's twins.
 """
 
 from __future__ import annotations
@@ -22,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanoserve.layers import torch_attention
 
 
 @dataclass
@@ -49,10 +45,8 @@ class AttentionBackend:
     with_kvcache: Callable[..., torch.Tensor]  # flash_attn_with_kvcache
 
 
-def store_kvcache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's K/V into its cache slot (an indexed copy, no custom kernel)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
@@ -72,14 +66,11 @@ class Attention(nn.Module):
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
         if backend.name == "flash-attn" and k_cache.numel():  # fail at start-up, not mid-step
-            from nanoserve.layers.torch_attention import check_flash_attn_limits
-
-            check_flash_attn_limits(k_cache.dtype, self.head_dim, k_cache.shape[1])
+            torch_attention.check_flash_attn_limits(k_cache.dtype, self.head_dim, k_cache.shape[1])
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
         if self.backend is None:
             raise RuntimeError("Attention has no KV cache bound: the ModelRunner calls bind() "
@@ -89,17 +80,15 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         if nd > 0:
             out[:nd] = self.backend.with_kvcache(
-                q[:nd].unsqueeze(1), self.k_cache, self.v_cache,
+                q[:nd].unsqueeze(1), self.k_cache, self.v_cache, causal=True,
                 cache_seqlens=meta.decode_context_lens, block_table=meta.decode_block_tables,
-                softmax_scale=self.scale, causal=True,
-            ).squeeze(1)
+                softmax_scale=self.scale).squeeze(1)
         if meta.num_prefill_tokens > 0:
             out[nd:] = self.backend.varlen_func(
                 q[nd:], self.k_cache, self.v_cache,
                 cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=meta.prefill_block_tables,
-            )
+                softmax_scale=self.scale, causal=True, block_table=meta.prefill_block_tables)
         return out
 
 
@@ -110,12 +99,9 @@ _fallbacks_logged: set[str] = set()  # say each reason for not using flash-attn 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
                    compute_capability: tuple[int, int] | None = None) -> AttentionBackend:
     """The one place that picks the kernels: flash-attn when it imports and can run here
-    (CUDA, fp16/bf16, compute capability >= 8.0), else the torch twins. Called before any
-    weights load, so a forced flash-attn that cannot run fails early.
-
-    requested: "auto", "flash-attn" (error if unusable) or "torch" (always works).
-    compute_capability: read from the GPU when None; tests pass one.
-    """
+    (CUDA, fp16/bf16, compute capability >= 8.0), else the torch twins. `requested`: "auto",
+    "flash-attn" (an error if unusable: called before any weights load, it fails early) or
+    "torch". `compute_capability`: read from the GPU when None; tests pass one."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {requested!r}")
@@ -133,9 +119,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "a
             if tuple(cc) < (8, 0):
                 why = f"compute capability is {cc[0]}.{cc[1]}; flash-attn 2 needs >= 8.0"
         if why is None:
-            return AttentionBackend(
-                "flash-attn", flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache
-            )
+            return AttentionBackend("flash-attn", flash_attn.flash_attn_varlen_func,
+                                    flash_attn.flash_attn_with_kvcache)
         if requested == "flash-attn":
             raise ValueError(f"attention_backend='flash-attn' cannot be used: {why}. Install it "
                              "with `pip install nanoserve[gpu]` on a CUDA machine, or use "
@@ -144,8 +129,5 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "a
             _fallbacks_logged.add(why)
             logging.getLogger("nanoserve").warning("attention: torch twins, not flash-attn: %s",
                                                    why)
-    from nanoserve.layers import torch_attention
-
-    return AttentionBackend(
-        "torch", torch_attention.flash_attn_varlen_func, torch_attention.flash_attn_with_kvcache
-    )
+    return AttentionBackend("torch", torch_attention.flash_attn_varlen_func,
+                            torch_attention.flash_attn_with_kvcache)

@@ -1,10 +1,9 @@
 """§1 on a CPU: one weight read serving many tokens, with the GEMM's own weight layout.
 
-The eager path (`enforce_eager=True`) runs plain `nn.Linear`. The optimized CPU path swaps
-every fp32 `nn.Linear` for a `PackedLinear`, whose weight is reordered once, at load time,
-into oneDNN's blocked layout: the GEMM then streams it as it is instead of re-tiling the
-plain [out, in] matrix on every call (measured: ~0.75-0.8x the time from 2 rows up).
-bf16 keeps plain `F.linear`, which on a CPU with AMX or AVX512-BF16 was already faster.
+Unless `enforce_eager=True`, every fp32 `nn.Linear` becomes a `PackedLinear`, its weight
+reordered once, at load time, into oneDNN's blocked layout, which the GEMM streams as it is
+instead of re-tiling the plain [out, in] matrix on every call (measured: ~0.75-0.8x the
+time from 2 rows up). bf16 keeps `F.linear`: with AMX or AVX512-BF16 it was already faster.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """§4 ("one forward step"): turn each sampling row's logits into its next token.
 
-Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does.
-Other rows are scaled by temperature, cut by top-k and top-p, and drawn from the request's
-own generator when it has a seed, or from the engine's generator otherwise. The math is
-float32 whatever the model's dtype. A row that cannot be sampled (NaN logits, no token with
-a finite probability) gets an error message instead of a token: only its request fails.
+Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. Others
+are scaled by temperature, cut by top-k and top-p, and drawn (in float32 whatever the
+model's dtype) from the request's own generator if it has a seed, else the engine's. A row
+that cannot be sampled (NaN logits, no token with a finite probability) gets an error
+message instead of a token: only its request fails.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ class Sampler:
         greedy = logits.argmax(dim=-1, keepdim=True)
         # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
         nan_rows = logits.gather(1, greedy).isnan().flatten().tolist()
-        token_ids: list[int | str] = [
-            "sampling failed: the logits contain NaN" if nan else t
-            for nan, t in zip(nan_rows, greedy.flatten().tolist())]
+        token_ids: list[int | str] = ["sampling failed: the logits contain NaN" if nan else t
+                                      for nan, t in zip(nan_rows, greedy.flatten().tolist())]
         rows = [i for i, p in enumerate(params) if not p.greedy and not nan_rows[i]]
         if not rows:
             return token_ids

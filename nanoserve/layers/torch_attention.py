@@ -1,13 +1,10 @@
 """§5: paged attention in plain torch, twins of flash-attn's two entry points.
 
-Same argument names and semantics as `flash_attn.flash_attn_varlen_func` (with
-`block_table`) and `flash_attn.flash_attn_with_kvcache`, so the Attention layer does not
-care which one it calls. They gather a request's KV blocks through its block table and
-run `scaled_dot_product_attention`: slower than a fused kernel, but exact and portable.
-
-Causal masking follows flash-attn: when a chunk of `lq` queries attends to `lk >= lq`
-keys, query i may see keys 0 .. lk - lq + i (the mask is aligned to the bottom right),
-because the chunk's tokens are the last `lq` of the request's `lk` tokens.
+Same arguments and semantics as `flash_attn.flash_attn_varlen_func` (with `block_table`)
+and `flash_attn.flash_attn_with_kvcache`: they gather a request's KV blocks through its
+block table and run `scaled_dot_product_attention` (slower than a fused kernel, but exact
+and portable). Causal masking follows flash-attn: a chunk of `lq` queries over `lk >= lq`
+keys is the request's last `lq` tokens, so query i sees keys 0 .. lk - lq + i.
 
 They also check flash-attn 2's argument contract, so a CPU test fails on a call the kernel
 would reject or compute differently (a length over max_seqlen_k: flash-attn drops keys).
@@ -22,43 +19,40 @@ import torch.nn.functional as F
 DECODE_ROWS_PER_GATHER = 4  # measured on a 2-core CPU: 4 beat 2, 8, 16 and the whole batch
 
 
-def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] indexed by [..., n] -> [..., n * block_size, H, D]."""
-    blocks = cache[block_table]
-    return blocks.flatten(-4, -3)
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 def check_flash_attn_limits(dtype: torch.dtype, head_dim: int, page_size: int | None) -> None:
     """What flash-attn's kernels refuse and the torch twins compute fine."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float16 or bfloat16 for flash-attn, got {dtype}")
-    if head_dim > 256 or head_dim % 8:  # % 8: flash-attn would pad (copy) the whole cache
-        raise ValueError(f"head_dim must be <= 256 and a multiple of 8 for flash-attn, "
-                         f"got {head_dim}")
-    if page_size is not None and page_size % 256:
-        raise ValueError(f"block_size must be a multiple of 256 for flash-attn's paged KV, "
-                         f"got {page_size}")
+    _require(dtype in (torch.float16, torch.bfloat16),
+             f"dtype must be float16 or bfloat16 for flash-attn, got {dtype}")
+    # % 8: flash-attn would pad (copy) the whole cache on every call.
+    _require(head_dim <= 256 and head_dim % 8 == 0,
+             f"head_dim must be <= 256 and a multiple of 8 for flash-attn, got {head_dim}")
+    _require(page_size is None or page_size % 256 == 0,
+             f"block_size must be a multiple of 256 for flash-attn's paged KV, got {page_size}")
 
 
 def _check_contract(qkv: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None],
                     paged: bool, flash_contract: bool) -> None:
     q, k, _ = qkv.values()
     for name, t in qkv.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, q has {q.dtype}: they must match")
+        _require(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")
+        _require(t.dtype == q.dtype,
+                 f"{name} has dtype {t.dtype}, q has {q.dtype}: they must match")
     for name, t in index.items():
-        if t is not None and t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"num_kv_heads ({k.shape[-2]}) must divide num_heads ({q.shape[-2]})")
+        if t is not None:
+            _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+    _require(q.shape[-2] % k.shape[-2] == 0,
+             f"num_kv_heads ({k.shape[-2]}) must divide num_heads ({q.shape[-2]})")
     if flash_contract:
         check_flash_attn_limits(q.dtype, q.shape[-1], k.shape[1] if paged else None)
 
 
-def _no_visible_key(i: int) -> ValueError:  # unreachable from the engine; tests keep it so
-    return ValueError(f"sequence {i}: a query would see no key (flash-attn gives 0, the twin NaN)")
+# The engine never sends a query that sees no key (its tests make sure of that).
+_NO_KEY = "sequence {}: a query would see no key (flash-attn gives 0, the twin NaN)"
 
 
 def flash_attn_varlen_func(
@@ -70,8 +64,7 @@ def flash_attn_varlen_func(
 ) -> torch.Tensor:
     """q: [total_q, H, D]. k, v: [total_k, Hkv, D], or paged caches
     [num_blocks, block_size, Hkv, D] when `block_table` [batch, max_blocks] is given."""
-    if dropout_p != 0.0:
-        raise ValueError("the torch twin supports dropout_p=0.0 only (inference)")
+    _require(dropout_p == 0.0, "the torch twin supports dropout_p=0.0 only (inference)")
     _check_contract({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q,
                     "cu_seqlens_k": cu_seqlens_k, "block_table": block_table},
                     block_table is not None, flash_contract)
@@ -81,32 +74,26 @@ def flash_attn_varlen_func(
         q0, q1 = starts_q[i], starts_q[i + 1]
         len_q, len_k = q1 - q0, starts_k[i + 1] - starts_k[i]
         for name, n, limit in (("max_seqlen_q", len_q, max_seqlen_q),
-                               ("max_seqlen_k", len_k, max_seqlen_k)):
-            if n > limit:  # flash-attn would silently drop the rest
-                raise ValueError(f"{name}={limit} is below sequence {i}'s length {n}")
-        if len_q and len_k - (len_q - 1 if causal else 0) < 1:
-            raise _no_visible_key(i)
+                               ("max_seqlen_k", len_k, max_seqlen_k)):  # flash-attn drops the rest
+            _require(n <= limit, f"{name}={limit} is below sequence {i}'s length {n}")
+        _require(not len_q or len_k - (len_q - 1 if causal else 0) >= 1, _NO_KEY.format(i))
         if block_table is None:
             ki, vi = k[starts_k[i]:starts_k[i + 1]], v[starts_k[i]:starts_k[i + 1]]
         else:
             num_blocks = -(-len_k // k.shape[1])  # ceil division
-            if num_blocks > block_table.shape[1]:
-                raise ValueError(f"block_table has too few columns for sequence {i}")
-            ki = _gather_blocks(k, block_table[i, :num_blocks])[:len_k]
-            vi = _gather_blocks(v, block_table[i, :num_blocks])[:len_k]
+            _require(num_blocks <= block_table.shape[1],
+                     f"block_table has too few columns for sequence {i}")
+            ids = block_table[i, :num_blocks]  # [n blocks, block_size, Hkv, D] -> [len_k, Hkv, D]
+            ki, vi = k[ids].flatten(0, 1)[:len_k], v[ids].flatten(0, 1)[:len_k]
         # [len, H, D] -> [1, H, len, D]: 4-D inputs take the CPU's flash kernel, not the slower
         # math path. enable_gqa: each KV head serves H / Hkv consecutive query heads, uncopied.
         qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[q0:q1], ki, vi))
-        if causal and len_q == len_k:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
-                                               enable_gqa=True)
-        else:
-            mask = None
-            if causal:
-                mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
-                mask = mask.tril(diagonal=len_k - len_q)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
-                                               enable_gqa=True)
+        mask = None
+        if causal and len_q != len_k:
+            mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
+            mask = mask.tril(diagonal=len_k - len_q)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
+                                           is_causal=causal and len_q == len_k, enable_gqa=True)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
 
@@ -117,12 +104,10 @@ _last_groups: tuple | None = None  # (block_table, cache_seqlens, block_size, dt
 def _decode_groups(block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int,
                    dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(start row, end row, flat block ids, additive mask) for each group of decode rows.
-
-    On a CPU, a few rows at a time, each group only as wide as its longest context: the
-    gathered K/V copy stays in the CPU cache for SDPA, and short requests skip padding
-    blocks. Every layer of a step passes the same two tensors, so the groups are built once
-    per step, not once per layer. On CUDA: one group, and no host sync (CUDA graphs).
-    """
+    On a CPU, a few rows per group, each only as wide as its longest context: the gathered
+    K/V stays in the CPU cache for SDPA, and short requests skip padding blocks. Every layer
+    of a step passes the same two tensors, so groups are built once per step, not per layer.
+    On CUDA: one group, and no host sync (CUDA graphs)."""
     global _last_groups
     last = _last_groups
     if last and last[0] is block_table and last[1] is cache_seqlens and last[2:4] == (
@@ -156,22 +141,21 @@ def flash_attn_with_kvcache(
     """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
     request b, found through `block_table` [batch, max_blocks] in the paged caches. On CUDA,
     unlike flash-attn, it reads every block in the table (masked), so padding must be finite."""
-    if k is not None or v is not None:
-        raise ValueError("the torch twin reads K/V already in the cache; pass k=None, v=None")
-    if block_table is None or cache_seqlens is None:
-        raise ValueError("the torch twin needs block_table and cache_seqlens")
+    _require(k is None and v is None,
+             "the torch twin reads K/V already in the cache; pass k=None, v=None")
+    _require(block_table is not None and cache_seqlens is not None,
+             "the torch twin needs block_table and cache_seqlens")
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)
     if cache_seqlens.device.type == "cpu":  # reading values elsewhere would sync the GPU
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
-            raise _no_visible_key(int(cache_seqlens.argmin()))
-        if hi > block_table.shape[1] * k_cache.shape[1]:
-            raise ValueError("block_table has too few columns for cache_seqlens")
+            raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))
+        _require(hi <= block_table.shape[1] * k_cache.shape[1],
+                 "block_table has too few columns for cache_seqlens")
     batch, len_q, num_heads, head_dim = q.shape
-    if len_q != 1:
-        raise ValueError(f"the torch twin decodes one query per request, got {len_q}")
+    _require(len_q == 1, f"the torch twin decodes one query per request, got {len_q}")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # GQA without copying K/V: the `group` query heads that share one KV head become
     # `group` query rows of that head (heads are laid out kv_head * group + g).

@@ -1,26 +1,20 @@
-"""§1 and §4: the model one step runs. A decoder-only transformer for the Llama family:
-Llama/SmolLM2, Mistral, Qwen2, Qwen3.
-
-The variants differ only in a few switches read from the HF config:
+"""§1 and §4: the model one step runs, a decoder-only transformer for the Llama family
+(Llama/SmolLM2, Mistral, Qwen2, Qwen3), whose variants differ in a few config switches:
   - Qwen2: bias on q/k/v projections;
   - Qwen3: RMSNorm on each head of q and k (before RoPE), explicit `head_dim`;
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
 Module names equal Hugging Face's, so checkpoint tensors load by name (see loader.py).
-
 Tokens are flattened (§1: one weight read serves every token of the step): every tensor is
-[num_tokens, ...] with no batch dimension; where one request ends and the next begins is
-known only to attention, via AttentionMetadata.
+[num_tokens, ...]; only attention knows where requests end (AttentionMetadata).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import Attention, AttentionMetadata
-from nanoserve.layers.mlp import GatedMLP
-from nanoserve.layers.norm import RMSNorm
-from nanoserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -29,21 +23,107 @@ def check_config(config) -> None:
     """Raise ValueError for configs this decoder would silently compute wrong."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
     # Sliding-window attention would need a different mask; refuse rather than be wrong.
     if getattr(config, "use_sliding_window", False) or (
-        model_type == "mistral" and getattr(config, "sliding_window", None) is not None
-    ):
+            model_type == "mistral" and getattr(config, "sliding_window", None) is not None):
         raise ValueError("sliding-window attention is not supported")
     rope_theta(config)  # raises for scaled RoPE variants
 
 
+def rope_theta(config) -> float:
+    """The RoPE base, from `rope_theta` (transformers 4) or `rope_parameters` (transformers 5).
+    ValueError for scaled variants (llama3, yarn, linear, ...): not implemented here."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported; only 'default' RoPE is")
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has neither rope_theta nor rope_parameters['rope_theta']")
+    return float(theta)
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """Computed exactly like Hugging Face's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()  # the mean of squares overflows/loses precision in fp16/bf16
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); names match HF checkpoints."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE, the "default" rope_type of HF models: cos/sin tables [max_positions, head_dim]
+    in fp32, computed once and shared by all layers. Every token of a flattened batch has its
+    own position, so a table lookup is simpler (and cheaper) than recomputing per step."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.reset_cache()
+
+    def reset_cache(self, device: torch.device | None = None) -> None:
+        """(Re)compute the tables in fp32; the loader calls this after allocating the model."""
+        device = device if device is not None else self.cos_cache.device
+        dim = self.head_dim
+        # Exactly HF's default rope, so that logits match to the last bits in fp32.
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+        inv_freq = 1.0 / (self.base ** exponent)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] (broadcast over heads)."""
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension (HF's layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]."""
+    return x * cos + rotate_half(x) * sin
 
 
 class DecoderAttention(nn.Module):
@@ -66,9 +146,8 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -89,9 +168,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         # Pre-norm residual blocks, as in HF.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -105,13 +183,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_theta(config)
-        )
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_theta(config))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # One table lookup per step, shared by every layer.
         cos, sin = self.rotary_emb(positions, x.dtype)
@@ -130,9 +206,8 @@ class DecoderForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 

@@ -1,8 +1,6 @@
 """Outside the chapter (the model §4's forward step runs): load a Hugging Face directory,
-config.json + *.safetensors -> DecoderForCausalLM.
-
-Our module names equal the checkpoint's tensor names, so loading is a loop that copies
-each tensor into the parameter of the same name; nothing is renamed or reshaped.
+config.json + *.safetensors -> DecoderForCausalLM. Our module names equal the checkpoint's
+tensor names, so loading copies each tensor into the parameter of the same name.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from nanoserve.models.decoder import DecoderForCausalLM, check_config
 
 def load_config(model_dir: str) -> PretrainedConfig:
     """The HF config, checked for a model_type (and features) this decoder supports."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
+    if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
     config = AutoConfig.from_pretrained(model_dir)
     check_config(config)
@@ -46,23 +43,18 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
                     continue
                 tensor, param = f.get_tensor(name), params[name]
                 if tensor.shape != param.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                        f"!= model shape {tuple(param.shape)}"
-                    )
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"!= model shape {tuple(param.shape)}")
                 param.copy_(tensor)  # converts dtype and moves to the model's device
                 missing.discard(name)
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {model_dir!r} does not match the model: "
-            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
-        )
+        raise ValueError(f"checkpoint in {model_dir!r} does not match the model: "
+                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
 
 @torch.no_grad()
-def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device
-) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+def load_model(model_dir: str, dtype: torch.dtype,
+               device: torch.device) -> tuple[DecoderForCausalLM, PretrainedConfig]:
     """Build the decoder for `model_dir` in `dtype` on `device` and load its weights."""
     config = load_config(model_dir)
     # Build on the meta device: no memory and no random init for weights we overwrite.

