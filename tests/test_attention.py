@@ -37,7 +37,7 @@ class PagedCase:
     """Random requests (context_len, chunk_len) laid out in a shuffled paged cache."""
 
     def __init__(self, lens: list[tuple[int, int]], block_size: int, num_kv_heads: int,
-                 group: int, seed: int) -> None:
+                 group: int, seed: int, head_dim: int = HEAD_DIM) -> None:
         gen = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.block_size, self.lens = block_size, lens
@@ -49,11 +49,11 @@ class PagedCase:
         for n in needed:
             self.tables.append(ids[:n])
             ids = ids[n:]
-        shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, generator=gen)
         self.v_cache = torch.randn(shape, generator=gen)
         total_q = sum(chunk for _, chunk in lens)
-        self.q = torch.randn(total_q, num_kv_heads * group, HEAD_DIM, generator=gen)
+        self.q = torch.randn(total_q, num_kv_heads * group, head_dim, generator=gen)
         # Pad every table row to the same width with junk ids, as the ModelRunner does.
         width = max(needed) + 2
         self.block_table = torch.tensor(

@@ -18,6 +18,7 @@ from nanoserve.config import DTYPES, EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.engine.sequence import Request
+from nanoserve.layers import cpu_attention
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 from nanoserve.layers.cpu_linear import pack_linears
 from nanoserve.layers.sampler import Sampler
@@ -96,6 +97,10 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.enforce_eager and \
                 torch.backends.mkldnn.is_available():
             pack_linears(self.model)  # fp32 GEMMs without re-tiling the weights every call
+        if self.device.type == "cpu" and not config.enforce_eager and \
+                self.backend.name == "torch" and (kernel := cpu_attention.compile_kernel()):
+            # Decode attention reads the paged cache in place instead of gathering copies.
+            self.backend = cpu_attention.with_decode_kernel(self.backend, kernel)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)

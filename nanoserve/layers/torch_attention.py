@@ -132,15 +132,9 @@ def _decode_groups(block_table: torch.Tensor, cache_seqlens: torch.Tensor, block
     return groups
 
 
-def flash_attn_with_kvcache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-    softmax_scale: float | None = None, causal: bool = False, flash_contract: bool = False,
-) -> torch.Tensor:
-    """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
-    request b, found through `block_table` [batch, max_blocks] in the paged caches. On CUDA,
-    unlike flash-attn, it reads every block in the table (masked), so padding must be finite."""
+def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                      flash_contract) -> None:
+    """flash_attn_with_kvcache's contract, shared with cpu_attention.py's kernel."""
     _require(k is None and v is None,
              "the torch twin reads K/V already in the cache; pass k=None, v=None")
     _require(block_table is not None and cache_seqlens is not None,
@@ -154,8 +148,20 @@ def flash_attn_with_kvcache(
             raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))
         _require(hi <= block_table.shape[1] * k_cache.shape[1],
                  "block_table has too few columns for cache_seqlens")
-    batch, len_q, num_heads, head_dim = q.shape
-    _require(len_q == 1, f"the torch twin decodes one query per request, got {len_q}")
+    _require(q.shape[1] == 1, f"the torch twin decodes one query per request, got {q.shape[1]}")
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None, causal: bool = False, flash_contract: bool = False,
+) -> torch.Tensor:
+    """Decode: q [batch, 1, H, D] attends to the first `cache_seqlens[b]` cached tokens of
+    request b, found through `block_table` [batch, max_blocks] in the paged caches. On CUDA,
+    unlike flash-attn, it reads every block in the table (masked), so padding must be finite."""
+    check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, flash_contract)
+    batch, _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     # GQA without copying K/V: the `group` query heads that share one KV head become
     # `group` query rows of that head (heads are laid out kv_head * group + g).
