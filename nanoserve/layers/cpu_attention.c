@@ -1,11 +1,12 @@
 /* §5 on a CPU: decode attention read straight from the paged KV cache.
  *
  * One query per request, over its first lens[b] cached tokens, found through its block
- * table. Each cached token's K (and V) row of all KV heads is read once, in place, so no
- * copy of the request's blocks is gathered first. Same arithmetic as the torch twin in
- * float32 (bf16 values are widened on load): scores, softmax, weighted sum of V.
+ * table. Each cached token's K (and V) row of all KV heads is read once, in place: no copy
+ * of the request's blocks is gathered first. The torch twin's arithmetic, in float32 (bf16
+ * values are widened on load): scores, softmax, weighted sum of V.
  * Layouts: q, out [B, H, D]; caches [blocks, block_size, Hkv, D], all contiguous;
  * block_table [B, W] and lens [B] int32. Query head h reads KV head h / (H / Hkv) (GQA).
+ * The caller (cpu_attention.py) has checked every block id and length against the cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,18 +15,29 @@
 
 static inline float load(const void* p, int64_t i, int bf16) {
   if (!bf16) return ((const float*)p)[i];
-  uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16; /* bf16 = the top half of a float */
+  uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16; /* bf16 = a float's top half */
   float f;
   memcpy(&f, &bits, sizeof f);
   return f;
 }
 
 static inline void store(void* p, int64_t i, float x, int bf16) {
-  if (!bf16) { ((float*)p)[i] = x; return; }
+  if (!bf16) {
+    ((float*)p)[i] = x;
+    return;
+  }
   uint32_t bits;
   memcpy(&bits, &x, sizeof bits);
   bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
   ((uint16_t*)p)[i] = (uint16_t)(bits >> 16);
+}
+
+/* Ask for a token's row a few tokens ahead: rows of consecutive blocks are not adjacent in
+ * memory, so the CPU's own prefetcher stalls at every block edge (measured: 0.9x). */
+#define AHEAD 4
+static inline void prefetch_row(const void* cache, int64_t i, int row, int bf16) {
+  const char* p = (const char*)cache + i * (bf16 ? 2 : 4);
+  for (int byte = 0; byte < row * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(p + byte);
 }
 
 /* `D` and `bf16` are constants where the exported functions below call this: the compiler
@@ -37,57 +49,68 @@ static inline void decode(const void* q, const void* k_cache, const void* v_cach
   const int group = H / Hkv, row = Hkv * D; /* row: one token's K (or V), all KV heads */
 #pragma omp parallel
   {
-    float* scores = NULL; /* [H, L]: this thread's buffer, grown as needed */
+    /* This thread's buffers, grown as needed: scores [H, L], each token's row offset [L]
+     * and the output being summed [H, D]. */
+    float* scores = NULL;
+    int64_t* offsets = NULL;
     float* acc = malloc(sizeof(float) * H * D);
     int capacity = 0;
 #pragma omp for schedule(dynamic, 1)
-    for (int b = 0; b < B; ++b) {
+    for (int b = 0; b < B; ++b) { /* one request per task */
       const int L = lens[b];
-      const int32_t* blocks = block_table + (int64_t)b * W;
-      if (H * L > capacity) {
+      if (L > capacity) {
         free(scores);
-        capacity = H * L;
-        scores = malloc(sizeof(float) * capacity);
+        free(offsets);
+        capacity = L;
+        scores = malloc(sizeof(float) * H * capacity);
+        offsets = malloc(sizeof(int64_t) * capacity);
       }
+      const int32_t* blocks = block_table + (int64_t)b * W;
+      for (int t = 0; t < L; ++t) /* where token t's row starts in either cache */
+        offsets[t] = ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row;
+
       float qf[H * D];
       for (int i = 0; i < H * D; ++i) qf[i] = load(q, (int64_t)b * H * D + i, bf16);
-      for (int t = 0; t < L; ++t) { /* scores = q . k / sqrt(D) */
-        const int64_t k = ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row;
+      for (int t = 0; t < L; ++t) { /* scores = q . k * scale */
+        if (t + AHEAD < L) prefetch_row(k_cache, offsets[t + AHEAD], row, bf16);
         for (int h = 0; h < H; ++h) {
-          const int64_t kh = k + (h / group) * D;
+          const int64_t k = offsets[t] + (h / group) * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int d = 0; d < D; ++d) s += qf[h * D + d] * load(k_cache, kh + d, bf16);
+          for (int d = 0; d < D; ++d) s += qf[h * D + d] * load(k_cache, k + d, bf16);
           scores[h * L + t] = s * scale;
         }
       }
       for (int h = 0; h < H; ++h) { /* softmax over the L keys */
         float *sh = scores + h * L, m = -INFINITY, sum = 0.f;
-        for (int t = 0; t < L; ++t) m = fmaxf(m, sh[t]);
+        for (int t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
         for (int t = 0; t < L; ++t) sum += sh[t] = expf(sh[t] - m);
         for (int t = 0; t < L; ++t) sh[t] /= sum;
       }
       memset(acc, 0, sizeof(float) * H * D);
       for (int t = 0; t < L; ++t) { /* out = sum over keys of p . v */
-        const int64_t v = ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row;
+        if (t + AHEAD < L) prefetch_row(v_cache, offsets[t + AHEAD], row, bf16);
         for (int h = 0; h < H; ++h) {
-          const int64_t vh = v + (h / group) * D;
+          const int64_t v = offsets[t] + (h / group) * D;
           const float p = scores[h * L + t];
 #pragma omp simd
-          for (int d = 0; d < D; ++d) acc[h * D + d] += p * load(v_cache, vh + d, bf16);
+          for (int d = 0; d < D; ++d) acc[h * D + d] += p * load(v_cache, v + d, bf16);
         }
       }
       for (int i = 0; i < H * D; ++i) store(out, (int64_t)b * H * D + i, acc[i], bf16);
     }
     free(scores);
+    free(offsets);
     free(acc);
   }
 }
 
-#define ARGS const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table, \
-  const int32_t *lens, void *out, int B, int H, int Hkv, int D, int block_size, int W, float scale
-#define PASS(d, bf16) q, k_cache, v_cache, block_table, lens, out, B, H, Hkv, d, block_size, W, \
-  scale, bf16
+#define ARGS                                                                               \
+  const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table,     \
+      const int32_t *lens, void *out, int B, int H, int Hkv, int D, int block_size, int W, \
+      float scale
+#define PASS(d, bf16) \
+  q, k_cache, v_cache, block_table, lens, out, B, H, Hkv, d, block_size, W, scale, bf16
 
 void paged_decode_f32(ARGS) {
   if (D == 64) decode(PASS(64, 0));

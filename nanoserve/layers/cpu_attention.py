@@ -92,3 +92,4 @@ def _check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     lo, hi = block_table.aminmax()
     if lo < 0 or hi >= k_cache.shape[0]:
         raise ValueError(f"block_table holds block ids outside [0, {k_cache.shape[0]})")
+
