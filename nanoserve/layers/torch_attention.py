@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DECODE_ROWS_PER_GATHER = 4  # measured on a 2-core CPU: 4 beat 2, 8, 16 and the whole batch
-
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -98,40 +96,6 @@ def flash_attn_varlen_func(
     return out
 
 
-_last_groups: tuple | None = None  # (block_table, cache_seqlens, block_size, dtype, groups)
-
-
-def _decode_groups(block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int,
-                   dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """(start row, end row, flat block ids, additive mask) for each group of decode rows.
-    On a CPU, a few rows per group, each only as wide as its longest context: the gathered
-    K/V stays in the CPU cache for SDPA, and short requests skip padding blocks. Every layer
-    of a step passes the same two tensors, so groups are built once per step, not per layer.
-    On CUDA: one group, and no host sync (CUDA graphs)."""
-    global _last_groups
-    last = _last_groups
-    if last and last[0] is block_table and last[1] is cache_seqlens and last[2:4] == (
-            block_size, dtype):
-        return last[4]
-    on_cpu = cache_seqlens.device.type == "cpu"
-    batch, width = block_table.shape
-    step = DECODE_ROWS_PER_GATHER if on_cpu else batch
-    lens = cache_seqlens.tolist() if on_cpu else None
-    groups = []
-    for start in range(0, batch, step):
-        end = min(start + step, batch)
-        num_blocks = -(-max(lens[start:end]) // block_size) if on_cpu else width
-        ids = block_table[start:end, :num_blocks].flatten()  # one flat gather of whole blocks
-        # With one query at the last position, causal masking = "only the first L keys".
-        positions = torch.arange(num_blocks * block_size, device=block_table.device)
-        hidden = positions[None, :] >= cache_seqlens[start:end, None]
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=block_table.device)
-        groups.append((start, end, ids, mask.masked_fill_(hidden, float("-inf"))[:, None, None]))
-    if on_cpu:
-        _last_groups = (block_table, cache_seqlens, block_size, dtype, groups)
-    return groups
-
-
 def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                       flash_contract) -> None:
     """flash_attn_with_kvcache's contract, shared with cpu_attention.py's kernel."""
@@ -162,15 +126,14 @@ def flash_attn_with_kvcache(
     unlike flash-attn, it reads every block in the table (masked), so padding must be finite."""
     check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, flash_contract)
     batch, _, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    # Each request's blocks, gathered and padded to the table's width: [batch, keys, Hkv, D].
+    keys, values = (c[block_table].flatten(1, 2).transpose(1, 2) for c in (k_cache, v_cache))
+    # With one query at the last position, causal masking = "only the first L keys".
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < cache_seqlens[:, None]
     # GQA without copying K/V: the `group` query heads that share one KV head become
     # `group` query rows of that head (heads are laid out kv_head * group + g).
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = torch.empty_like(q_grouped)
-    for start, end, ids, mask in _decode_groups(block_table, cache_seqlens, block_size, q.dtype):
-        keys = k_cache.index_select(0, ids).view(end - start, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, ids).view(end - start, -1, num_kv_heads, head_dim)
-        out[start:end] = F.scaled_dot_product_attention(
-            q_grouped[start:end], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            scale=softmax_scale)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=visible[:, None, None],
+                                         scale=softmax_scale)
     return out.view(batch, 1, num_heads, head_dim)
