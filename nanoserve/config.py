@@ -16,6 +16,7 @@ from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul
 from nanoserve.sampling_params import check_field, is_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -52,12 +53,11 @@ class EngineConfig:
         need(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+                              ("attention_backend", ATTENTION_BACKENDS),
+                              ("dtype", ("auto", *DTYPES))):
             need(getattr(self, name) in allowed, name, f"one of {allowed}")
         need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
-        need(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
-             "one of ('auto', 'float32', 'float16', 'bfloat16')")
         need(self.trace_file is None or (isinstance(self.trace_file, str) and self.trace_file),
              "trace_file", "None or a file path")
         # No chunking means none at all: a per-request chunk cap would contradict it.
@@ -70,12 +70,8 @@ class EngineConfig:
                              "False: otherwise a long prompt could never be scheduled in one step")
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto": bfloat16 on CUDA and on CPUs with bf16 matmul units, else float32 (on other
-    CPUs bf16 is emulated, slower than fp32)."""
+    """What "auto" means on `device` (EngineConfig.dtype; cpu_has_bf16_matmul says why)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
@@ -93,9 +89,7 @@ def resolve_block_size(backend_name: str, block_size: int | None) -> int:
 
 
 def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineConfig:
-    """A copy of `config` with device, dtype, attention backend, block size and max_model_len
-    decided from the machine and config.json alone: before any weight or KV block, so its
-    errors come first."""
+    """A copy of `config` with device, dtype, backend, block_size and max_model_len decided."""
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = auto_device if config.device == "auto" else config.device
     dtype = resolve_dtype(config.dtype, device)

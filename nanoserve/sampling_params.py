@@ -6,9 +6,6 @@ import operator
 from dataclasses import dataclass, field
 from functools import partial
 
-# vLLM's: a temperature below it is greedy (dividing logits by it overflows float32).
-_SAMPLING_EPS = 1e-5
-
 
 def is_int(value: object) -> bool:
     """bools are ints to Python, not to us (EngineConfig rejects them too)."""
@@ -31,12 +28,10 @@ def as_token_id(value: object) -> int | None:
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
-
-    temperature below 1e-5 (0 included) means greedy (argmax). top_k None (or -1, vLLM's
-    spelling) disables top-k. `seed` gives the request its own generator: reproducible for
-    the same batch schedule (README: what is guaranteed). The engine keeps its own copy.
-    """
+    """How one request samples and when it stops. temperature below 1e-5 (0 included) means
+    greedy (argmax). top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the
+    request its own generator: reproducible for the same batch schedule (README: what is
+    guaranteed). The engine keeps its own copy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,4 +67,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        # vLLM's _SAMPLING_EPS: dividing logits by a smaller temperature overflows float32.
+        return self.temperature < 1e-5

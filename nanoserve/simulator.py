@@ -6,8 +6,7 @@ sampling row through its block table; the next token is a hash of what it read. 
 slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
 
 `simulate()` drives the real schedulers and BlockManager with that runner and records every
-step with nanoserve/trace.py; scripts/simulate.py draws the chapter's figures from it.
-"""
+step with nanoserve/trace.py; scripts/simulate.py draws the chapter's figures from it."""
 
 from __future__ import annotations
 

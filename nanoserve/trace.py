@@ -84,4 +84,3 @@ class Tracer:
             with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
                 f.writelines(json.dumps(x) + "\n" for x in lines)
         return record
-

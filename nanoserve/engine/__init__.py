@@ -1,2 +1,1 @@
-"""The engine: LLM loop (§4), Scheduler (§6) and StaticScheduler (§2), BlockManager (§5),
-ModelRunner (§4, §5)."""
+"""The engine: LLM loop (§4), schedulers (§6, §2), BlockManager (§5), ModelRunner (§4, §5)."""

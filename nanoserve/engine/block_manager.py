@@ -10,8 +10,7 @@ is verified against the stored token ids (hashes can collide).
 Invariants (checked by the property tests after every step):
     num_free_blocks + num_used_blocks == num_blocks
     ref_count >= 0; a block is in the free pool exactly when its ref_count is 0
-    a block with ref_count > 1 is a shared, cached, full prefix block
-"""
+    a block with ref_count > 1 is a shared, cached, full prefix block"""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             req.block_table.append(block_id)
-        if computed:
-            req.block_hashes = [self.blocks[b].block_hash for b in computed]
+            req.block_hashes.append(block.block_hash)
         for _ in range(num_new_blocks):
             req.block_table.append(self._take_free_block())
         return True

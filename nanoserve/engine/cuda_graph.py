@@ -5,8 +5,7 @@ arithmetic, sets the step time (§1: decode is memory bound). A graph records th
 once and replays them in one call, for fixed shapes only: graphs are captured for a ladder
 of batch sizes and a decode batch is padded to the next one, its padding rows writing and
 reading only the padding block (no request's). If capture fails (a kernel that syncs with
-the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly.
-"""
+the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def padded_batch_size(num_rows: int, sizes: list[int]) -> int | None:
 def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       batch_size: int, padding_block: int, block_size: int, max_blocks: int,
                       ) -> tuple[torch.Tensor, ...]:
-    """Pad a decode batch of n rows to `batch_size` rows and its block tables to
-    `max_blocks` columns. Padding rows: token 0 at position 0, K/V written to the first
-    slot of `padding_block`, and attention over that one slot only."""
+    """Pad a decode batch to `batch_size` rows, its block tables to `max_blocks` columns. A
+    padding row: token 0 at position 0, K/V in `padding_block`'s first slot, reading it alone."""
     rows = (0, batch_size - meta.num_decode_tokens)  # F.pad: (before, after) on the last dim
     tables = meta.decode_block_tables
     return (F.pad(input_ids, rows), F.pad(positions, rows),

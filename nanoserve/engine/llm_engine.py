@@ -2,11 +2,11 @@
 
 `LLM.step()` is one turn of that loop and the only place the three parts meet:
     scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
-`generate()` is just "add every prompt, then step until nothing is left".
-"""
+`generate()` is just "add every prompt, then step until nothing is left"."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -35,12 +35,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.model_dir = model if model is not None else default_model_dir()
-        # Every setting is decided from config.json alone, before any weight is loaded.
         hf_config = load_config(self.model_dir)
-        self.config = resolve_config(EngineConfig(**config), hf_config)
-        self.tokenizer = None  # skip_tokenizer_init: prompts are token ids, text is ""
-        if not self.config.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.config = resolve_config(EngineConfig(**config), hf_config)  # before any weight loads
+        self.tokenizer = None if self.config.skip_tokenizer_init else \
+            AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""
         self.model_runner = ModelRunner(self.config, self.model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(hf_config)
@@ -58,10 +56,8 @@ class LLM:
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
         ids = [getattr(hf_config, "eos_token_id", None),
                getattr(self.tokenizer, "eos_token_id", None)]  # None without a tokenizer
-        try:
+        with contextlib.suppress(OSError):  # no generation_config.json
             ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
-        except OSError:  # no generation_config.json
-            pass
         flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
         return frozenset(flat)
 
@@ -136,8 +132,7 @@ class LLM:
                              bm.num_blocks, bm.block_size, source)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration (§4): schedule, run the model, process outputs. Returns the
-        requests that finished (or were aborted) in this step."""
+        """One turn of the loop (§4); returns the requests that finished (or were aborted)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[Request] = []

@@ -5,8 +5,7 @@ one batch of rows, whatever mix of prefill chunks and decodes they are. The line
 don't care where a request ends; only attention does, and it learns that from the
 `AttentionMetadata` built here. Rows come in this order: decodes (requests with exactly one
 new token, then the static policy's idle rows), then prefill chunks. Each new token's K/V
-is written into the paged cache at its slot (`slot_mapping`).
-"""
+is written into the paged cache at its slot (`slot_mapping`)."""
 
 from __future__ import annotations
 
@@ -69,17 +68,13 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         return torch.tensor(table, dtype=torch.int32).reshape(len(rows), width).to(device)
 
     meta = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64),
-        num_decode_tokens=len(decode_rows),
+        slot_mapping=to_device(slots, torch.int64), num_decode_tokens=len(decode_rows),
         decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows]),
-        decode_block_tables=block_tables(decode_rows),
-        num_prefill_tokens=cu_q[-1],
-        cu_seqlens_q=to_device(cu_q),
-        cu_seqlens_k=to_device(cu_k),
+        decode_block_tables=block_tables(decode_rows), num_prefill_tokens=cu_q[-1],
+        cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k),
         max_seqlen_q=max((n for _, _, n, _ in prefill_rows), default=0),
         max_seqlen_k=max((start + n for _, start, n, _ in prefill_rows), default=0),
-        prefill_block_tables=block_tables(prefill_rows),
-    )
+        prefill_block_tables=block_tables(prefill_rows))
     return ModelInputs(to_device(input_ids, torch.int64), to_device(positions, torch.int64),
                        meta, sample_indices, sample_requests)
 
@@ -94,13 +89,12 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
-        if self.device.type == "cpu" and not config.enforce_eager and \
-                torch.backends.mkldnn.is_available():
-            pack_linears(self.model)  # fp32 GEMMs without re-tiling the weights every call
-        if self.device.type == "cpu" and not config.enforce_eager and \
-                self.backend.name == "torch" and (kernel := cpu_attention.compile_kernel()):
-            # Decode attention reads the paged cache in place instead of gathering copies.
-            self.backend = cpu_attention.with_decode_kernel(self.backend, kernel)
+        if self.device.type == "cpu" and not config.enforce_eager:
+            if torch.backends.mkldnn.is_available():
+                pack_linears(self.model)  # fp32 GEMMs without re-tiling the weights every call
+            if self.backend.name == "torch" and (kernel := cpu_attention.compile_kernel()):
+                # Decode attention reads the paged cache in place instead of gathering copies.
+                self.backend = cpu_attention.with_decode_kernel(self.backend, kernel)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
@@ -128,12 +122,16 @@ class ModelRunner:
         """Memory left for KV after the weights and a warm-up forward's peak activations."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.config.max_num_batched_tokens
-        num_seqs = -(-num_tokens // self.block_size)
-        self._allocate_kv_cache(num_blocks=num_seqs)  # a scratch cache for the warm-up
-        last = num_tokens - self.block_size * (num_seqs - 1)
-        seq_lens = [self.block_size] * (num_seqs - 1) + [last]
-        self.warmup(seq_lens)
+        # The warm-up: one full step of fresh sequences, one per block of a scratch cache.
+        step, num_tokens = SchedulerOutput(), self.config.max_num_batched_tokens
+        for i, start in enumerate(range(0, num_tokens, self.block_size)):
+            n = min(self.block_size, num_tokens - start)
+            req = Request(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
+            req.block_table = [i]
+            step.scheduled.append(ScheduledRequest(req, n, samples=False))
+        self._allocate_kv_cache(num_blocks=len(step.scheduled))
+        inputs = prepare_inputs(step, self.block_size, self.device)
+        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         peak = torch.cuda.max_memory_allocated(self.device)
         for attn in self.attn_layers:  # drop the scratch cache's last references
             attn.bind(torch.empty(0), torch.empty(0), self.backend)
@@ -153,16 +151,6 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
-
-    def warmup(self, seq_lens: list[int]) -> None:
-        """One forward over fresh sequences of these lengths, in blocks 0, 1, ..."""
-        step = SchedulerOutput()
-        for i, n in enumerate(seq_lens):
-            req = Request(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
-            req.block_table = [i]
-            step.scheduled.append(ScheduledRequest(req, n, samples=False))
-        inputs = prepare_inputs(step, self.block_size, self.device)
-        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> dict[str, int | str]:

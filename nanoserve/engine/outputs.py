@@ -1,5 +1,4 @@
-"""§4 ("process outputs") and §7: what the engine hands back, per-request outputs with their
-latency metrics (TTFT, TPOT, E2E: the trade-offs of §7), and engine-wide stats."""
+"""§4 ("process outputs") and §7: what the engine hands back, per request and engine-wide."""
 
 from __future__ import annotations
 

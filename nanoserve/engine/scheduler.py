@@ -5,8 +5,7 @@ Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blo
 step `schedule()` spends a token budget in the order of §6.2: running requests first,
 preempting by recompute when the BlockManager has no free block (§6.3); then, only if
 nothing was preempted, waiting requests. After the forward pass `update_from_output()`
-appends sampled tokens, checks stops and frees finished requests' blocks at once (§3, §4).
-"""
+appends sampled tokens, checks stops and frees finished requests' blocks at once (§3, §4)."""
 
 from __future__ import annotations
 
@@ -129,14 +128,11 @@ class Scheduler:
         if req.status == RequestStatus.WAITING:  # the first admission, not a resumption
             req.num_cached_tokens = num_cached_tokens
         req.status = RequestStatus.RUNNING
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
         self.running.append(req)
 
     @staticmethod
     def _schedule(req: Request, num_new: int, out: SchedulerOutput) -> None:
-        """The one place that decides whether a row samples: when it reaches the last
-        known token. A mid-prompt chunk computes KV only."""
+        """The one place that decides if a row samples: when it reaches the last known token."""
         samples = req.num_computed_tokens + num_new == req.num_tokens
         out.scheduled.append(ScheduledRequest(req, num_new, samples))
 
@@ -148,8 +144,7 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt_request(self, victim: Request, out: SchedulerOutput) -> int:
-        """Free the victim's blocks, forget its KV (num_computed_tokens = 0) and put it at
-        the front of `waiting`. Returns the budget it gives back if it was scheduled."""
+        """Drop its blocks and KV, requeue it in front; return the budget it held this step."""
         self.running.remove(victim)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0

@@ -6,8 +6,7 @@ still uncomputed; decode is the case where exactly one (the last sampled token) 
 
 Invariants:
     0 <= num_computed_tokens <= num_tokens
-    len(block_table) * block_size >= num_computed_tokens (every computed token has a slot)
-"""
+    len(block_table) * block_size >= num_computed_tokens (every computed token has a slot)"""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # set when sampling_params.seed is given
 
-    first_scheduled_time: float | None = None  # metrics timestamps: time.monotonic()
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # metrics timestamps: time.monotonic()
     finish_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -3,8 +3,7 @@
 Same BlockManager, Request and running loop as the continuous Scheduler; only admission
 and release differ, as in HF `generate`: a batch is admitted whole, only when the previous
 batch has left, and a request that finishes keeps its seat and blocks, its row still
-computed (an "idle row", pure waste) until every request of the batch is done.
-"""
+computed (an "idle row", pure waste) until every request of the batch is done."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class StaticScheduler(Scheduler):
         return False  # nobody joins a batch once it runs
 
     def _release(self, finished: list[Request]) -> list[Request]:
-        """Finished rows keep their blocks until the last row of the batch finishes; then
-        the whole batch leaves together."""
+        """Finished rows keep their blocks until the whole batch leaves together."""
         self.idle_rows += finished
         if self.running:
             return []

@@ -2,8 +2,7 @@
 
 FCFS (and static): arrival order; a preempted request goes back to the *front*, so it
 resumes before requests that never ran. PRIORITY: smallest (priority, arrival_time)
-first; a preempted request simply re-enters in that order, which puts it where it belongs.
-"""
+first; a preempted request simply re-enters in that order, which puts it where it belongs."""
 
 from __future__ import annotations
 

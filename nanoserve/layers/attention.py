@@ -1,12 +1,10 @@
 """§5: attention over the paged KV cache.
 
-Only attention needs to know where one request of the flattened batch (model_runner.py)
-ends and the next begins; it reads that from `AttentionMetadata`. Rows are
+`AttentionMetadata` tells attention where each request of the flattened batch ends. Rows are
     [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
 where "decode" means only "computes exactly one new token this step" (a one-token prefill
 chunk takes the same path, correctly). The two calls have flash-attn's signatures: its
-kernels on CUDA where flash_attn can run (`select_backend`), else torch_attention.py's twins.
-"""
+kernels on CUDA where flash_attn can run (`select_backend`), else torch_attention.py's twins."""
 
 from __future__ import annotations
 
@@ -98,10 +96,9 @@ _fallbacks_logged: set[str] = set()  # say each reason for not using flash-attn 
 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
                    compute_capability: tuple[int, int] | None = None) -> AttentionBackend:
-    """The one place that picks the kernels: flash-attn when it imports and can run here
-    (CUDA, fp16/bf16, compute capability >= 8.0), else the torch twins. `requested`: "auto",
-    "flash-attn" (an error if unusable: called before any weights load, it fails early) or
-    "torch". `compute_capability`: read from the GPU when None; tests pass one."""
+    """The one place that picks the kernels: flash-attn when it imports and can run here, else
+    the torch twins. `requested`: "auto", "flash-attn" (an error if unusable: called before any
+    weights load, it fails early) or "torch". `compute_capability`: None reads the GPU's."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {requested!r}")

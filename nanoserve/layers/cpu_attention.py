@@ -5,8 +5,7 @@ attention reads them again: at 64 rows of 240 tokens that is ~0.7 GB copied per 
 kernel reads each cached K/V row once, where it lies, one request per thread task. It has
 the twin's signature and checks, so the runner swaps it in for the optimized CPU path
 (`enforce_eager=False`); without a C compiler the twin stays, with one log line.
-Prefill chunks keep the twin: they are compute-bound, a gather is small beside their GEMMs.
-"""
+Prefill chunks keep the twin: they are compute-bound, a gather is small beside their GEMMs."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def compile_kernel(compiler: str = "cc") -> ctypes.CDLL | None:
                         build.stderr[-2000:])
             return None
         lib = ctypes.CDLL(str(target))  # stays mapped after the file is deleted
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
     for name in _KERNELS.values():
-        getattr(lib, name).argtypes = [pointer] * 6 + [integer] * 6 + [ctypes.c_float]
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
     return lib
 
 
@@ -58,14 +56,23 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                                 block_table=None, softmax_scale=None, causal=False,
                                 flash_contract=False):
-        if q.dtype not in _KERNELS or not all(
-                t is not None and t.is_contiguous() for t in (q, k_cache, v_cache, block_table,
-                                                              cache_seqlens)):
+        tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
+        if q.dtype not in _KERNELS or not all(t is not None and t.is_contiguous() for t in tensors):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
-        _check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, flash_contract)
+        # The twin's checks, plus the ones that keep C from reading outside the cache.
+        torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                          flash_contract)
         batch, _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        if v_cache.shape != k_cache.shape or k_cache.shape[-1] != head_dim:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
+                             f"and q's head_dim {head_dim} do not match")
+        if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
+            raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
+        lo, hi = block_table.aminmax()
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"block_table holds block ids outside [0, {num_blocks})")
         out = torch.empty_like(q)
         scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         getattr(lib, _KERNELS[q.dtype])(
@@ -76,20 +83,3 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
 
     return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",
                                with_kvcache=flash_attn_with_kvcache)
-
-
-def _check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                       flash_contract) -> None:
-    """The twin's checks, plus the ones that keep C from reading outside the cache."""
-    torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                      flash_contract)
-    batch, _, _, head_dim = q.shape
-    if v_cache.shape != k_cache.shape or k_cache.shape[-1] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} and "
-                         f"q's head_dim {head_dim} do not match")
-    if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
-        raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
-    lo, hi = block_table.aminmax()
-    if lo < 0 or hi >= k_cache.shape[0]:
-        raise ValueError(f"block_table holds block ids outside [0, {k_cache.shape[0]})")
-

@@ -4,8 +4,7 @@ Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` d
 are scaled by temperature, cut by top-k and top-p, and drawn (in float32 whatever the
 model's dtype) from the request's own generator if it has a seed, else the engine's. A row
 that cannot be sampled (NaN logits, no token with a finite probability) gets an error
-message instead of a token: only its request fails.
-"""
+message instead of a token: only its request fails."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ keys is the request's last `lq` tokens, so query i sees keys 0 .. lk - lq + i.
 
 They also check flash-attn 2's argument contract, so a CPU test fails on a call the kernel
 would reject or compute differently (a length over max_seqlen_k: flash-attn drops keys).
-Cheap checks (no GPU sync); `flash_contract=True` adds the limits only flash-attn has.
-"""
+Cheap checks (no GPU sync); `flash_contract=True` adds the limits only flash-attn has."""
 
 from __future__ import annotations
 
@@ -58,14 +57,12 @@ def flash_attn_varlen_func(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-    block_table: torch.Tensor | None = None, flash_contract: bool = False,
-) -> torch.Tensor:
+    block_table: torch.Tensor | None = None, flash_contract: bool = False) -> torch.Tensor:
     """q: [total_q, H, D]. k, v: [total_k, Hkv, D], or paged caches
     [num_blocks, block_size, Hkv, D] when `block_table` [batch, max_blocks] is given."""
     _require(dropout_p == 0.0, "the torch twin supports dropout_p=0.0 only (inference)")
-    _check_contract({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q,
-                    "cu_seqlens_k": cu_seqlens_k, "block_table": block_table},
-                    block_table is not None, flash_contract)
+    index = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table}
+    _check_contract({"q": q, "k": k, "v": v}, index, block_table is not None, flash_contract)
     out = torch.empty_like(q)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(starts_q) - 1):

@@ -5,8 +5,7 @@
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
 Module names equal Hugging Face's, so checkpoint tensors load by name (see loader.py).
 Tokens are flattened (§1: one weight read serves every token of the step): every tensor is
-[num_tokens, ...]; only attention knows where requests end (AttentionMetadata).
-"""
+[num_tokens, ...]; only attention knows where requests end (AttentionMetadata)."""
 
 from __future__ import annotations
 
@@ -71,8 +70,6 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); names match HF checkpoints."""
-
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -97,7 +94,6 @@ class RotaryEmbedding(nn.Module):
 
     def reset_cache(self, device: torch.device | None = None) -> None:
         """(Re)compute the tables in fp32; the loader calls this after allocating the model."""
-        device = device if device is not None else self.cos_cache.device
         dim = self.head_dim
         # Exactly HF's default rope, so that logits match to the last bits in fp32.
         exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
@@ -110,28 +106,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] (broadcast over heads)."""
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
-        return cos, sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension (HF's layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return (self.cos_cache[positions].to(dtype).unsqueeze(1),
+                self.sin_cache[positions].to(dtype).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]."""
-    return x * cos + rotate_half(x) * sin
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]. As HF's
+    rotate_half: the halves (x1, x2) of the last dimension rotate into (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class DecoderAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         qwen2 = config.model_type == "qwen2"
         bias = getattr(config, "attention_bias", False)
@@ -170,8 +160,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # Pre-norm residual blocks, as in HF.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)  # pre-norm, as in HF
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -189,7 +178,6 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # One table lookup per step, shared by every layer.
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)

@@ -1,7 +1,5 @@
 """Outside the chapter (the model §4's forward step runs): load a Hugging Face directory,
-config.json + *.safetensors -> DecoderForCausalLM. Our module names equal the checkpoint's
-tensor names, so loading copies each tensor into the parameter of the same name.
-"""
+config.json + *.safetensors -> DecoderForCausalLM, each tensor into the parameter of its name."""
 
 from __future__ import annotations
 

