@@ -3,12 +3,12 @@
 Unless `enforce_eager=True`, every fp32 `nn.Linear` becomes a `PackedLinear`, its weight
 reordered once, at load time, into oneDNN's blocked layout, which the GEMM streams as it is
 instead of re-tiling the plain [out, in] matrix on every call (measured: ~0.75-0.8x the
-time from 2 rows up). bf16 keeps `F.linear`: with AMX or AVX512-BF16 it was already faster."""
+time from 2 rows up, ~0.85x at one row with 2 threads). bf16 keeps `F.linear`: with AMX or
+AVX512-BF16 it was already faster."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -28,8 +28,6 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < 2:  # one row is a matrix-vector product: the plain weight was faster
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
