@@ -23,6 +23,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        # The plain weight stays the module's parameter (tied embeddings, parameter counts);
+        # forward reads only the packed copy.
         self.weight, self.bias = linear.weight, linear.bias
         # The packed copy is laid out for batches of ~16 rows (decode); any row count works.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16)
