@@ -66,6 +66,20 @@ def test_kernel_matches_naive_attention_bf16():
     torch.testing.assert_close(got, case.expected(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("q_scale", [0.0, 300.0])
+def test_softmax_of_equal_and_of_far_apart_scores(q_scale):
+    """q = 0: every key weighs the same; q x 300: scores hundreds apart, most e^x underflow
+    (the kernel's own exp clamps at -87) and one key takes nearly all the weight."""
+    case = poisoned_case(LENS, 16, 3, 64, torch.float32, seed=7)
+    case.q *= q_scale
+    torch.testing.assert_close(run(case), case.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_size_not_a_multiple_of_8_goes_to_the_twin():
+    case = PagedCase(LENS, 16, num_kv_heads=2, group=3, seed=3, head_dim=12)
+    assert torch.equal(run(case), run(case, torch_attention.flash_attn_with_kvcache))
+
+
 def test_kernel_agrees_with_the_twin_on_a_clean_cache():
     case = PagedCase(LENS, 16, num_kv_heads=3, group=3, seed=5, head_dim=64)
     torch.testing.assert_close(run(case), run(case, torch_attention.flash_attn_with_kvcache),

@@ -24,8 +24,9 @@ from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -march=native: this machine's vector width; -fopenmp: one task per request, on all cores.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -march=native: this machine's vector width; -fopenmp: one task per request, on all cores;
+# -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -57,7 +58,8 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                                 block_table=None, softmax_scale=None, causal=False,
                                 flash_contract=False):
         tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
-        if q.dtype not in _KERNELS or not all(t is not None and t.is_contiguous() for t in tensors):
+        if (q.dtype not in _KERNELS or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
+                or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
         # The twin's checks, plus the ones that keep C from reading outside the cache.
