@@ -1,4 +1,4 @@
-"""The C decode kernel (layers/cpu_attention.c) against a naive dense attention.
+"""The C decode kernel (layers/cpu_kernels.c) against a naive dense attention.
 
 Same cases as the torch twin's tests (shuffled block tables padded with junk ids, GQA),
 plus the head sizes the kernel specializes (64, 128) and a generic one, bf16, and a cache
@@ -14,10 +14,10 @@ from test_attention import PagedCase
 from tiny_model import tiny_model_dir
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers import cpu_attention, torch_attention
+from nanoserve.layers import cpu_attention, cpu_kernels, torch_attention
 from nanoserve.layers.attention import select_backend
 
-KERNEL = cpu_attention.compile_kernel()
+KERNEL = cpu_kernels.compile_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here")
 
 
@@ -105,7 +105,7 @@ def test_shared_twin_checks_still_apply():
 
 
 def test_no_compiler_means_the_twin(caplog):
-    assert cpu_attention.compile_kernel("no-such-compiler") is None
+    assert cpu_kernels.compile_kernels("no-such-compiler") is None
     assert "no C compiler" in caplog.text
 
 

@@ -1,32 +1,54 @@
-"""The optimized CPU path: pre-packed fp32 linears compute what nn.Linear computes, and
-dtype="auto" picks bf16 on a CPU only where it has bf16 matmul units."""
+"""The optimized CPU path: packed linears (cpu_kernels.c's GEMM) compute what nn.Linear
+computes, and dtype="auto" picks bf16 on a CPU only where it has bf16 matmul units."""
 
 import pytest
 import torch
 from torch import nn
 
 from nanoserve import config
-from nanoserve.layers import cpu_linear
+from nanoserve.layers import cpu_kernels, cpu_linear
 from nanoserve.layers.cpu_linear import PackedLinear, pack_linears
 
+LIB = cpu_kernels.compile_kernels()
+needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33])
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 33])  # the GEMM takes 6 rows at a time
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_linear(rows, bias):
     torch.manual_seed(rows)
-    linear = nn.Linear(48, 80, bias=bias).requires_grad_(False)
-    x = torch.randn(rows, 48)
+    linear = nn.Linear(40, 96, bias=bias).requires_grad_(False)
+    x = torch.randn(rows, 40)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(PackedLinear(linear, LIB)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
-def test_pack_linears_swaps_fp32_only():
-    fp32 = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
-    pack_linears(fp32)
-    assert isinstance(fp32[0], PackedLinear) and isinstance(fp32[1][1], PackedLinear)
-    bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
-    pack_linears(bf16)
-    assert isinstance(bf16[0], nn.Linear)
+@needs_compiler
+def test_packed_linear_bf16_and_leading_dims():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).requires_grad_(False).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = PackedLinear(linear, LIB)(x)
+        expected = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.bfloat16
+    # Both round one float32 sum to bf16; the sums differ only in their order.
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_pack_linears_swaps_what_the_gemm_serves(monkeypatch, native_bf16):
+    monkeypatch.setattr(cpu_linear, "cpu_has_bf16_matmul", lambda: native_bf16)
+    fp32 = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 32)),
+                         nn.Linear(32, 20))  # 20 outputs: not a multiple of 16
+    pack_linears(fp32, LIB)
+    assert [type(m) for m in (fp32[0], fp32[1][1], fp32[2])] == [PackedLinear, PackedLinear,
+                                                                  nn.Linear]
+    bf16 = nn.Sequential(nn.Linear(8, 16)).to(torch.bfloat16)
+    pack_linears(bf16, LIB)
+    assert isinstance(bf16[0], nn.Linear if native_bf16 else PackedLinear)
 
 
 @pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])

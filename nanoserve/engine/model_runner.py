@@ -17,7 +17,7 @@ from nanoserve.config import DTYPES, EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.engine.sequence import Request
-from nanoserve.layers import cpu_attention
+from nanoserve.layers import cpu_attention, cpu_kernels
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 from nanoserve.layers.cpu_linear import pack_linears
 from nanoserve.layers.sampler import Sampler
@@ -89,12 +89,12 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
-        if self.device.type == "cpu" and not config.enforce_eager:
-            if torch.backends.mkldnn.is_available():
-                pack_linears(self.model)  # fp32 GEMMs without re-tiling the weights every call
-            if self.backend.name == "torch" and (kernel := cpu_attention.compile_kernel()):
+        if self.device.type == "cpu" and not config.enforce_eager and (
+                lib := cpu_kernels.compile_kernels()):
+            pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
+            if self.backend.name == "torch":
                 # Decode attention reads the paged cache in place instead of gathering copies.
-                self.backend = cpu_attention.with_decode_kernel(self.backend, kernel)
+                self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)

@@ -1,54 +1,23 @@
-"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_attention.c).
+"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_kernels.c).
 
 The torch twin gathers a copy of every decoding request's blocks, layer by layer, before
 attention reads them again: at 64 rows of 240 tokens that is ~0.7 GB copied per step. This
 kernel reads each cached K/V row once, where it lies, one request per thread task. It has
 the twin's signature and checks, so the runner swaps it in for the optimized CPU path
-(`enforce_eager=False`); without a C compiler the twin stays, with one log line.
+(`enforce_eager=False`); without a C compiler the twin stays.
 Prefill chunks keep the twin: they are compute-bound, a gather is small beside their GEMMs."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
-import logging
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-# -march=native: this machine's vector width; -fopenmp: one task per request, on all cores;
-# -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-
-
-@functools.cache  # once per process
-def compile_kernel(compiler: str = "cc") -> ctypes.CDLL | None:
-    """Build the kernel (~0.3 s) into a temporary file and load it; None if that fails."""
-    log = logging.getLogger("nanoserve")
-    if shutil.which(compiler) is None:
-        log.warning("CPU decode attention: no C compiler %r; using the torch twin", compiler)
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "cpu_attention.so"
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(target), "-lm"],
-                               capture_output=True, text=True)
-        if build.returncode != 0:
-            log.warning("CPU decode attention did not compile; using the torch twin:\n%s",
-                        build.stderr[-2000:])
-            return None
-        lib = ctypes.CDLL(str(target))  # stays mapped after the file is deleted
-    for name in _KERNELS.values():
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
-    return lib
 
 
 def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
