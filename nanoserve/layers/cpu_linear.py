@@ -37,12 +37,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.weight.shape
-        rows = x.reshape(-1, k).to(self.weight.dtype).contiguous()
+        rows = x  # the model's activations are already [tokens, k], contiguous, this dtype
+        if x.dim() != 2 or x.dtype != self.weight.dtype or not x.is_contiguous():
+            rows = x.reshape(-1, k).to(self.weight.dtype).contiguous()
         y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
         self.gemm(rows.data_ptr(), self.packed.data_ptr(),
                   None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                   rows.shape[0], n, k)
-        return y.view(*x.shape[:-1], n)
+        return y if rows is x else y.view(*x.shape[:-1], n)
 
 
 def pack_linears(model: nn.Module, lib: ctypes.CDLL) -> None:
