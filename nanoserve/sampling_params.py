@@ -28,10 +28,9 @@ def as_token_id(value: object) -> int | None:
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops. temperature below 1e-5 (0 included) means
-    greedy (argmax). top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the
-    request its own generator: reproducible for the same batch schedule (README: what is
-    guaranteed). The engine keeps its own copy."""
+    """How one request samples and when it stops. temperature below 1e-5 means greedy (argmax).
+    top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the request its own generator:
+    reproducible for the same batch schedule (README: what is guaranteed). The engine copies it."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -121,8 +121,7 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
     runner = KVReadingRunner(num_blocks, block_size)
     tracer = Tracer(trace or None, "static" if policy == "static" else "continuous", policy,
                     num_slots, token_budget, num_blocks, block_size, source="simulator")
-    # The running request refused a block is the one whose next token forces a preemption
-    # (§6.2): listen to the BlockManager, so that the notes can name it.
+    # Notes name the running request refused a block (it forces the preemption, §6.2).
     refused, allocate = [], sched.block_manager.allocate_slots
 
     def allocate_and_listen(req: Request, *args: object) -> bool:

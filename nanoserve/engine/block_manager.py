@@ -1,6 +1,5 @@
-"""§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once: a request
-that finishes returns its blocks to the free pool in the same step, and a new request takes
-blocks from the pool as its tokens are computed.
+"""§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once: taken from the
+free pool as a request's tokens are computed, returned to it in the step the request finishes.
 
 Prefix caching: each *full* block gets a hash chained from its parent's hash and its token
 ids, so equal hashes mean equal prefixes. A block whose KV has been computed is registered
@@ -40,13 +39,11 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free pool in eviction order: the front is taken first. Freed blocks that hold a
-        # cached prefix go to the back (least recently freed leaves first); blocks with
-        # nothing reusable go to the front. OrderedDict gives O(1) removal by id.
+        # Free pool in eviction order (front first): freed blocks with a cached prefix join the back
+        # (least recently freed leaves first), others the front. OrderedDict: O(1) removal by id.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block_hash -> block_id
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_queries, self.prefix_cache_hits = 0, 0  # tokens looked up, tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,9 +57,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)  # ceil division
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of a waiting `req`: its blocks and the tokens they cover.
-        The last token is never taken from the cache, so even a fully cached prompt
-        computes >= 1 token (its logits)."""
+        """Longest cached prefix of a waiting `req`: its blocks and the tokens they cover. The last
+        token is never taken from the cache: even a fully cached prompt computes its logits."""
         if not self.enable_prefix_caching:
             return [], 0
         num_full = (req.num_tokens - 1) // self.block_size
@@ -86,14 +82,12 @@ class BlockManager:
         # Cached blocks only come at admission, when num_computed_tokens is still 0.
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed)
-        # Cached blocks sitting in the free pool are about to leave it, so they can't
-        # also be counted as room for new blocks.
+        # Cached blocks in the free pool are about to leave it, so they are not room for new ones.
         num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_revived:
             return False
         if new_computed_blocks is not None and self.enable_prefix_caching:
-            # Count a lookup once, when its request is admitted: a request that waits
-            # for room is looked up every step, and counting each try would skew the rate.
+            # Counted at admission only: a request waiting for room is looked up every step.
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += len(computed) * self.block_size
         for block_id in computed:

@@ -1,11 +1,10 @@
 """CUDA graphs for decode steps (GPU only; never used on CPU).
 
-A decode step launches hundreds of small kernels, and on a GPU their launch cost, not the
-arithmetic, sets the step time (§1: decode is memory bound). A graph records the launches
-once and replays them in one call, for fixed shapes only: graphs are captured for a ladder
-of batch sizes and a decode batch is padded to the next one, its padding rows writing and
-reading only the padding block (no request's). If capture fails (a kernel that syncs with
-the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly."""
+On a GPU, the launch cost of a decode step's hundreds of small kernels, not the arithmetic, sets the
+step time (§1: decode is memory bound). A graph records the launches once and replays them in one
+call, for fixed shapes only: graphs are captured for a ladder of batch sizes, a decode batch is
+padded to the next one and its padding rows touch only the padding block. If capture fails (a kernel
+syncing with the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly."""
 
 from __future__ import annotations
 

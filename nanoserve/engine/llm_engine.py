@@ -81,18 +81,16 @@ class LLM:
                              f"got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt must have at least 1 token, got 0")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if bad := [t for t in token_ids if not 0 <= t < self.vocab_size]:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if len(token_ids) > self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
                              f"({self.config.max_model_len})")
         bm = self.scheduler.block_manager
-        if bm.blocks_needed(len(token_ids) + 1) > bm.num_blocks:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens: with one generated token it needs "
-                f"{bm.blocks_needed(len(token_ids) + 1)} KV blocks, but the whole KV cache "
-                f"has {bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
+        if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
+                             f"needs {needed} KV blocks, but the whole KV cache has "
+                             f"{bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
                              f"{type(params).__name__}")

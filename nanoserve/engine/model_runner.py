@@ -1,11 +1,10 @@
 """§4 ("one forward step") and §5: run one scheduled step on the model.
 
-Selective batching (Orca): the new tokens of *all* scheduled requests are flattened into
-one batch of rows, whatever mix of prefill chunks and decodes they are. The linear layers
-don't care where a request ends; only attention does, and it learns that from the
-`AttentionMetadata` built here. Rows come in this order: decodes (requests with exactly one
-new token, then the static policy's idle rows), then prefill chunks. Each new token's K/V
-is written into the paged cache at its slot (`slot_mapping`)."""
+Selective batching (Orca): the new tokens of *all* scheduled requests are flattened into one batch
+of rows, whatever mix of prefill chunks and decodes they are. The linear layers don't care where a
+request ends; only attention does, and it learns that from the `AttentionMetadata` built here. Rows
+come in this order: decodes (requests with exactly one new token, then the static policy's idle
+rows), then prefill chunks. Each new token's K/V goes to its paged-cache slot (`slot_mapping`)."""
 
 from __future__ import annotations
 
@@ -82,10 +81,9 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         """`config` is resolved (resolve_config): no "auto" or None is left in it."""
-        self.config = config
+        self.config, self.block_size = config, config.block_size
         self.device, self.dtype = torch.device(config.device), DTYPES[config.dtype]
         self.backend = select_backend(self.device, self.dtype, config.attention_backend)
-        self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()

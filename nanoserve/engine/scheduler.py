@@ -84,8 +84,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_remaining > token_budget:
                 continue  # a static batch's prompt: whole in a later step, never chunked
             num_new = self._num_new_tokens(num_remaining, token_budget)
-            # 2. No free block: preempt a victim (§6.3) and retry, until it fits or the
-            #    victim is the request itself.
+            # 2. No free block: preempt a victim (§6.3) and retry, until it fits or evicts itself.
             while not (allocated := self.block_manager.allocate_slots(req, num_new)):
                 victim = self._pick_victim()
                 token_budget += self._preempt_request(victim, out)
@@ -147,8 +146,7 @@ class Scheduler:
         """Drop its blocks and KV, requeue it in front; return the budget it held this step."""
         self.running.remove(victim)
         self.block_manager.free(victim)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens, victim.status = 0, RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(victim)
@@ -193,9 +191,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> FinishReason | None:
         params, last = req.sampling_params, req.token_ids[-1]
-        if not params.ignore_eos and last in req.eos_token_ids:
-            return FinishReason.STOP
-        if last in params.stop_token_ids:
+        if (not params.ignore_eos and last in req.eos_token_ids) or last in params.stop_token_ids:
             return FinishReason.STOP
         if (req.num_output_tokens >= params.max_tokens
                 or req.num_tokens >= self.max_model_len_in_cache):

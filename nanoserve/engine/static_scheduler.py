@@ -1,9 +1,8 @@
 """§2: static batching, the baseline continuous batching is measured against.
 
-Same BlockManager, Request and running loop as the continuous Scheduler; only admission
-and release differ, as in HF `generate`: a batch is admitted whole, only when the previous
-batch has left, and a request that finishes keeps its seat and blocks, its row still
-computed (an "idle row", pure waste) until every request of the batch is done."""
+Same BlockManager, Request and running loop as `Scheduler`; only admission and release differ, as in
+HF `generate`: a batch is admitted whole after the previous one left, and a finished request keeps
+its seat and blocks, its row still computed (an "idle row", pure waste) till the batch ends."""
 
 from __future__ import annotations
 

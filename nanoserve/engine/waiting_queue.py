@@ -31,11 +31,10 @@ class FCFSQueue:
         return self._queue.pop(0)
 
     def remove(self, request_id: str) -> Request | None:
-        for req in self._queue:
-            if req.request_id == request_id:
-                self._queue.remove(req)
-                return req
-        return None
+        req = next((r for r in self._queue if r.request_id == request_id), None)
+        if req is not None:
+            self._queue.remove(req)
+        return req
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -29,8 +29,7 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
     """Build the kernels into a temporary file and load them; None if that fails."""
     log = logging.getLogger("nanoserve")
     if shutil.which(compiler) is None:
-        log.warning("CPU kernels: no C compiler %r; the optimized path stays plain torch",
-                    compiler)
+        log.warning("CPU kernels: no C compiler %r; the optimized path stays plain torch", compiler)
         return None
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "cpu_kernels.so"

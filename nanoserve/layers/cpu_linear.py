@@ -1,11 +1,10 @@
 """§1 on a CPU: one weight read serving many tokens, with the weights laid out for the read.
 
-Unless `enforce_eager=True`, every `nn.Linear` of a CPU model becomes a `PackedLinear`: its
-weight is repacked once, at load time, into 16-column panels that cpu_kernels.c's GEMM
-streams front to back. A decode step is waiting on that stream: torch's GEMM (oneDNN) read
-the 0.5 GB of fp32 weights at ~5 GB/s here at 16 rows, this kernel at ~8 GB/s, and it was
-faster at every batch size measured, 1 to 512 rows (measured on an AVX2 CPU). bf16 is packed
-only where the CPU lacks bf16 matmul units: with AMX or AVX512-BF16, oneDNN is faster."""
+Unless `enforce_eager=True`, every `nn.Linear` of a CPU model becomes a `PackedLinear`: its weight
+is repacked once, at load time, into 16-column panels that cpu_kernels.c's GEMM streams front to
+back. Decode waits on that stream: on an AVX2 CPU at 16 rows, torch's GEMM (oneDNN) read the 0.5 GB
+of fp32 weights at ~5 GB/s, this kernel at ~8 GB/s, faster at every batch size measured (1 to 512
+rows). bf16 is packed only on CPUs without AMX or AVX512-BF16: with them, oneDNN is faster."""
 
 from __future__ import annotations
 

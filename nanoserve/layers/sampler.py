@@ -1,10 +1,9 @@
 """§4 ("one forward step"): turn each sampling row's logits into its next token.
 
-Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. Others
-are scaled by temperature, cut by top-k and top-p, and drawn (in float32 whatever the
-model's dtype) from the request's own generator if it has a seed, else the engine's. A row
-that cannot be sampled (NaN logits, no token with a finite probability) gets an error
-message instead of a token: only its request fails."""
+Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. Others are
+scaled by temperature, cut by top-k and top-p, and drawn in float32 from the request's own generator
+if it has a seed, else the engine's. A row that cannot be sampled (NaN logits, no token with a
+finite probability) gets an error message instead of a token: only its request fails."""
 
 from __future__ import annotations
 

@@ -128,8 +128,7 @@ def flash_attn_with_kvcache(
     keys, values = (c[block_table].flatten(1, 2).transpose(1, 2) for c in (k_cache, v_cache))
     # With one query at the last position, causal masking = "only the first L keys".
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < cache_seqlens[:, None]
-    # GQA without copying K/V: the `group` query heads that share one KV head become
-    # `group` query rows of that head (heads are laid out kv_head * group + g).
+    # GQA, no K/V copy: query heads kv_head * group + g become `group` query rows of that KV head.
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=visible[:, None, None],
                                          scale=softmax_scale)

@@ -63,5 +63,4 @@ def load_model(model_dir: str, dtype: torch.dtype,
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.model.rotary_emb.reset_cache(torch.device(device))  # fp32 tables, not `dtype`
     load_weights(model, model_dir)
-    model.requires_grad_(False)
-    return model.eval(), config
+    return model.requires_grad_(False).eval(), config
