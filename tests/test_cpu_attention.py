@@ -8,6 +8,8 @@ of a padding block, would show. Its checks keep C from reading outside the cache
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 from test_attention import PagedCase
@@ -102,6 +104,21 @@ def test_shared_twin_checks_still_apply():
         run(case, block_table=case.block_table[:, :2].contiguous())
     with pytest.raises(ValueError, match="one row per query"):
         run(case, block_table=case.block_table[:3].contiguous())
+
+
+def test_kernels_are_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    builds, run = [], subprocess.run
+
+    def counting_run(cmd, **kwargs):
+        if "-o" in cmd:  # a build, not the query of what -march=native means
+            builds.append(cmd)
+        return run(cmd, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    for _ in range(2):  # __wrapped__: past the once-per-process functools.cache
+        assert cpu_kernels.compile_kernels.__wrapped__("cc") is not None
+    assert len(builds) == 1 and len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
 
 
 def test_no_compiler_means_the_twin(caplog):

@@ -1,10 +1,8 @@
 """§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_kernels.c).
 
-The torch twin gathers a copy of every decoding request's blocks, layer by layer, before attention
-reads them again: at 64 rows of 240 tokens that is ~0.7 GB copied per step. This kernel reads each
-cached K/V row once, where it lies, one request per thread task. It has the twin's signature and
-checks; the optimized CPU path (`enforce_eager=False`) swaps it in when a C compiler exists.
-Prefill chunks keep the twin: compute-bound, their gather is small beside their GEMMs."""
+The torch twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at
+64 rows of 240 tokens); this kernel reads each cached K/V row once, where it lies, one request
+per task, with the twin's signature and checks. Prefill chunks keep the twin (compute-bound)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,19 @@
-"""The optimized CPU path's C kernels (cpu_kernels.c): §1's GEMM and §5's decode attention.
-
-They are compiled for this machine when the first engine starts (~0.5 s) and used only with
-`enforce_eager=False` (cpu_linear.py, cpu_attention.py); the eager path, the one a reader
-steps through, stays plain torch. Without a C compiler that path stays too, with one log line."""
+"""§1's GEMM and §5's decode attention in C (cpu_kernels.c), for the optimized CPU path only
+(`enforce_eager=False`): compiled for this CPU on first use (~2 s), then loaded from the cache.
+Without a C compiler that path stays plain torch, like the eager one a reader steps through."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
+import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from nanoserve.utils.bundled import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -march=native: this machine's vector width; -fopenmp: the work split over all cores;
@@ -26,20 +27,29 @@ ARGTYPES = {"paged_decode_f32": [_P] * 6 + [_I] * 6 + [ctypes.c_float],
 
 @functools.cache  # once per process
 def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
-    """Build the kernels into a temporary file and load them; None if that fails."""
+    """Load the kernels, built on first use into the cache under a key of the source, the
+    flags and what -march=native means on this CPU; None if that fails."""
     log = logging.getLogger("nanoserve")
     if shutil.which(compiler) is None:
         log.warning("CPU kernels: no C compiler %r; the optimized path stays plain torch", compiler)
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "cpu_kernels.so"
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(target), "-lm"],
+    native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True).stdout  # its macros: __AVX2__...
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *FLAGS, native]).encode()).hexdigest()
+    target = cache_root() / f"cpu_kernels-{key[:16]}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name, then renamed: an interrupted or concurrent build never
+        # leaves a half-written library that a later start would load.
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"],
                                capture_output=True, text=True)
         if build.returncode != 0:
             log.warning("CPU kernels did not compile; the optimized path stays plain torch:"
                         "\n%s", build.stderr[-2000:])
             return None
-        lib = ctypes.CDLL(str(target))  # stays mapped after the file is deleted
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
     for name, argtypes in ARGTYPES.items():
         getattr(lib, name).argtypes = argtypes
     return lib

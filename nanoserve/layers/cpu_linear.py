@@ -1,10 +1,9 @@
 """§1 on a CPU: one weight read serving many tokens, with the weights laid out for the read.
 
-Unless `enforce_eager=True`, every `nn.Linear` of a CPU model becomes a `PackedLinear`: its weight
-is repacked once, at load time, into 16-column panels that cpu_kernels.c's GEMM streams front to
-back. Decode waits on that stream: on an AVX2 CPU at 16 rows, torch's GEMM (oneDNN) read the 0.5 GB
-of fp32 weights at ~5 GB/s, this kernel at ~8 GB/s, faster at every batch size measured (1 to 512
-rows). bf16 is packed only on CPUs without AMX or AVX512-BF16: with them, oneDNN is faster."""
+With `enforce_eager=False` each `nn.Linear` becomes a `PackedLinear`, its weight repacked once
+into 16-column panels that cpu_kernels.c's GEMM streams front to back: at 16 rows on an AVX2 CPU
+~8 GB/s of weights where oneDNN read ~5, and faster at every batch size measured (1-512 rows).
+bf16 is packed only without AMX or AVX512-BF16: with them, oneDNN is faster."""
 
 from __future__ import annotations
 

@@ -47,11 +47,15 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def cache_root() -> Path:
+    """Where nanoserve keeps what it builds once: the converted model, the CPU kernels."""
+    return Path(os.environ.get("NANOSERVE_CACHE_DIR") or Path.home() / ".cache" / "nanoserve")
+
+
 def default_model_dir() -> str:
     """The cached HF directory of the bundled model, converted on first use."""
     gguf = bundled_gguf()
-    cache_root = os.environ.get("NANOSERVE_CACHE_DIR") or Path.home() / ".cache" / "nanoserve"
-    final = Path(cache_root) / MODEL_NAME
+    final = cache_root() / MODEL_NAME
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
