@@ -1,0 +1,87 @@
+"""Where a decode step's time goes on the optimized CPU path: the same step timed with the C
+decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of the steps).
+
+    python scripts/step_breakdown.py                      # float32, 1/16/64 rows
+    python scripts/step_breakdown.py --dtype bfloat16 --rows 16
+
+"attention" = full step - step without attention; "GEMMs" = full step - step without GEMMs;
+"the rest" = the step with neither (norms, rotary, cache writes, sampling, Python). The no-op
+steps compute garbage; only their time is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from step_times import decode_batch
+
+from nanoserve.config import EngineConfig, resolve_config
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.layers import cpu_attention, cpu_kernels
+from nanoserve.layers.attention import select_backend
+from nanoserve.layers.cpu_linear import PackedLinear
+from nanoserve.models.loader import load_config
+from nanoserve.utils.bundled import default_model_dir
+
+
+def no_op_library(directory: str) -> ctypes.CDLL:
+    """The kernels' names, each doing nothing."""
+    source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
+    source.write_text("".join(f"void {name}(void) {{}}\n" for name in cpu_kernels.ARGTYPES))
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in cpu_kernels.ARGTYPES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=7)
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    lib, model_dir = cpu_kernels.compile_kernels(), default_model_dir()
+    if lib is None:
+        raise SystemExit("no C kernels here (no compiler): nothing to break down")
+    runner = ModelRunner(resolve_config(EngineConfig(
+        dtype=args.dtype, device="cpu", num_kv_blocks=max(rows_list) * 16 + 1, block_size=16),
+        load_config(model_dir)), model_dir)
+    twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    gemm_name = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}[runner.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        noop = no_op_library(tmp)
+        variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
+                    "neither": (noop, noop)}
+        print(f"{args.dtype}, threads {torch.get_num_threads()}, 240 tokens of context")
+        for rows in rows_list:
+            out = decode_batch(runner, rows, 240)
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for step in range(args.steps + 2):  # two warm-up steps
+                for name, (attention_lib, gemm_lib) in variants.items():
+                    backend = cpu_attention.with_decode_kernel(twin, attention_lib)
+                    for layer in runner.attn_layers:
+                        layer.backend = backend
+                    for linear in linears:
+                        linear.gemm = getattr(gemm_lib, gemm_name)
+                    t = time.perf_counter()
+                    runner.execute_model(out)
+                    if step >= 2:
+                        times[name].append(time.perf_counter() - t)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"{rows:3d} rows: step {ms['full']:.1f} ms = attention "
+                  f"{ms['full'] - ms['no attention']:.1f} + GEMMs {ms['full'] - ms['no GEMMs']:.1f}"
+                  f" + the rest ~{ms['neither']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
