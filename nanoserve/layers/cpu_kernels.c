@@ -1,4 +1,4 @@
-/* The optimized CPU path's two kernels, compiled at start-up by cpu_kernels.py:
+/* The optimized CPU path's two kernels, built once per machine by cpu_kernels.py:
  *   linear: §1, one weight read serving every row of the step (y = x W^T + bias);
  *   paged_decode: §5, decode attention read straight from the paged KV cache.
  * Both compute in float32; bfloat16 values are widened on load and results rounded to
