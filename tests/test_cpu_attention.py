@@ -121,6 +121,13 @@ def test_kernels_are_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch
     assert len(builds) == 1 and len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
 
 
+def test_an_unwritable_cache_builds_for_this_process_only(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    lib = cpu_kernels.compile_kernels.__wrapped__("cc")
+    assert lib is not None and not lib._name.startswith(str(tmp_path))
+
+
 def test_no_compiler_means_the_twin(caplog):
     assert cpu_kernels.compile_kernels("no-such-compiler") is None
     assert "no C compiler" in caplog.text

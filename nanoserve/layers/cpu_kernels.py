@@ -4,6 +4,7 @@ Without a C compiler that path stays plain torch, like the eager one a reader st
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -11,6 +12,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from nanoserve.utils.bundled import cache_root
@@ -36,9 +38,13 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
     native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
                             capture_output=True, text=True).stdout  # its macros: __AVX2__...
     key = hashlib.sha256("\n".join([SOURCE.read_text(), *FLAGS, native]).encode()).hexdigest()
-    target = cache_root() / f"cpu_kernels-{key[:16]}.so"
+    cache = cache_root()
+    with contextlib.suppress(OSError):
+        cache.mkdir(parents=True, exist_ok=True)
+    if not os.access(cache, os.W_OK):  # read-only, or not a directory: build for this process
+        cache = Path(tempfile.mkdtemp())
+    target = cache / f"cpu_kernels-{key[:16]}.so"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
         # Built under a temporary name, then renamed: an interrupted or concurrent build never
         # leaves a half-written library that a later start would load.
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
