@@ -24,7 +24,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def padded_batch_size(num_rows: int, sizes: list[int]) -> int | None:
-    """The smallest captured size that holds `num_rows`, or None if none does."""
     return next((s for s in sizes if s >= num_rows), None)
 
 
@@ -42,8 +41,6 @@ def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: At
 
 
 class CUDAGraphRunner:
-    """Captures the model's decode forward at each ladder size; replays padded batches."""
-
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks: int,
                  padding_block: int, block_size: int) -> None:
         self.model, self.max_blocks = model, max_blocks

@@ -58,8 +58,7 @@ class LLM:
                getattr(self.tokenizer, "eos_token_id", None)]  # None without a tokenizer
         with contextlib.suppress(OSError):  # no generation_config.json
             ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
-        flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
-        return frozenset(flat)
+        return frozenset(i for x in ids for i in (x if isinstance(x, list) else [x])) - {None}
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
         """Validate everything and build the Request; changes no engine state."""

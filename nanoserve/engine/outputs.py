@@ -21,13 +21,10 @@ class RequestMetrics:
 
     @classmethod
     def from_request(cls, req: Request) -> RequestMetrics:
-        ttft = tpot = e2e = None
-        if req.first_token_time is not None:
-            ttft = req.first_token_time - req.arrival_time
-        if req.finish_time is not None:
-            e2e = req.finish_time - req.arrival_time
-            if req.first_token_time is not None and req.num_output_tokens > 1:
-                tpot = (req.finish_time - req.first_token_time) / (req.num_output_tokens - 1)
+        first, finish, n = req.first_token_time, req.finish_time, req.num_output_tokens
+        ttft = None if first is None else first - req.arrival_time
+        e2e = None if finish is None else finish - req.arrival_time
+        tpot = None if first is None or finish is None or n < 2 else (finish - first) / (n - 1)
         return cls(req.arrival_time, ttft, tpot, e2e, req.num_preemptions, req.num_cached_tokens)
 
 

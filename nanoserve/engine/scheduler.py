@@ -136,8 +136,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, num_new, samples))
 
     def _pick_victim(self) -> Request:
-        """§6.3, preemption by recompute. FCFS: the request that joined `running` last.
-        PRIORITY: the largest (priority, arrival_time): least important, latest arrival."""
+        """§6.3. FCFS: the last to join `running`. PRIORITY: least important, latest arrival."""
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
@@ -159,8 +158,7 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: dict[str, int | str]) -> list[Request]:
-        """§4, process the step's output: advance each scheduled request, append its sampled
-        token, check stops, release finished requests. Returns those that left this step."""
+        """§4, process outputs: append tokens, check stops, free; returns the requests that left."""
         now = time.monotonic()
         finished: list[Request] = []
         for entry in out.scheduled:

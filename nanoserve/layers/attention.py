@@ -36,8 +36,6 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The two kernels, with flash-attn's signatures. Chosen once, in `select_backend`."""
-
     name: str
     varlen_func: Callable[..., torch.Tensor]  # flash_attn_varlen_func
     with_kvcache: Callable[..., torch.Tensor]  # flash_attn_with_kvcache

@@ -54,8 +54,7 @@ _NO_KEY = "sequence {}: a query would see no key (flash-attn gives 0, the twin N
 
 def flash_attn_varlen_func(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     block_table: torch.Tensor | None = None, flash_contract: bool = False) -> torch.Tensor:
     """q: [total_q, H, D]. k, v: [total_k, Hkv, D], or paged caches

@@ -93,9 +93,8 @@ class RotaryEmbedding(nn.Module):
         self.reset_cache()
 
     def reset_cache(self, device: torch.device | None = None) -> None:
-        """(Re)compute the tables in fp32; the loader calls this after allocating the model."""
+        """Exactly HF's rope (fp32 logits match to the bit); the loader calls it once allocated."""
         dim = self.head_dim
-        # Exactly HF's default rope, so that logits match to the last bits in fp32.
         exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
         inv_freq = 1.0 / (self.base ** exponent)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)

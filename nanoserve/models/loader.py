@@ -22,7 +22,6 @@ def load_config(model_dir: str) -> PretrainedConfig:
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
-    """Copy every tensor of every *.safetensors file into the parameter of the same name."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir!r}")
