@@ -158,7 +158,8 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: dict[str, int | str]) -> list[Request]:
-        """§4, process outputs: append tokens, check stops, free; returns the requests that left."""
+        """§4, process the step's output: advance each scheduled request, append its sampled
+        token, check stops, release finished requests. Returns those that left this step."""
         now = time.monotonic()
         finished: list[Request] = []
         for entry in out.scheduled:
