@@ -57,7 +57,6 @@ def main() -> None:
         load_config(model_dir)), model_dir)
     twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    gemm_name = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}[runner.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         noop = no_op_library(tmp)
         variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
@@ -72,7 +71,7 @@ def main() -> None:
                     for layer in runner.attn_layers:
                         layer.backend = backend
                     for linear in linears:
-                        linear.gemm = getattr(gemm_lib, gemm_name)
+                        linear.gemm = gemm_lib.linear
                     t = time.perf_counter()
                     runner.execute_model(out)
                     if step >= 2:

@@ -14,7 +14,7 @@ import torch
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
 
-_KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
 
 
 def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
@@ -24,7 +24,7 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                                 block_table=None, softmax_scale=None, causal=False,
                                 flash_contract=False):
         tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
-        if (q.dtype not in _KERNELS or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
+        if (q.dtype not in DTYPES or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
                 or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
@@ -43,10 +43,10 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
             raise ValueError(f"block_table holds block ids outside [0, {num_blocks})")
         out = torch.empty_like(q)
         scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-        getattr(lib, _KERNELS[q.dtype])(
+        lib.paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, block_table.shape[1], scale)
+            block_size, block_table.shape[1], scale, q.dtype == torch.bfloat16)
         return out
 
     return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",

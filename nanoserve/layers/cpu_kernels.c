@@ -170,30 +170,20 @@ static inline __attribute__((always_inline)) void decode_request(
 #define PASS(d, bf16) \
   q, k_cache, v_cache, block_table, lens, out, H, Hkv, d, block_size, W, scale, bf16
 
-/* One request per task; head sizes 64 and 128 get their own unrolled copies. */
-void paged_decode_f32(ARGS) {
+/* One request per task. Each (head size, dtype) below gets its own copy of decode_request,
+ * with those two as constants: 64 and 128 unrolled, any other multiple of 8 generic. */
+void paged_decode(ARGS, int bf16) {
 #pragma omp parallel
   {
     struct scratch buf = {0};
 #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; ++b) {
-      if (D == 64) decode_request(PASS(64, 0), b, &buf);
+      if (D == 64 && bf16) decode_request(PASS(64, 1), b, &buf);
+      else if (D == 64) decode_request(PASS(64, 0), b, &buf);
+      else if (D == 128 && bf16) decode_request(PASS(128, 1), b, &buf);
       else if (D == 128) decode_request(PASS(128, 0), b, &buf);
+      else if (bf16) decode_request(PASS(D, 1), b, &buf);
       else decode_request(PASS(D, 0), b, &buf);
-    }
-    free(buf.scores), free(buf.offsets), free(buf.acc);
-  }
-}
-
-void paged_decode_bf16(ARGS) {
-#pragma omp parallel
-  {
-    struct scratch buf = {0};
-#pragma omp for schedule(dynamic, 1)
-    for (int b = 0; b < B; ++b) {
-      if (D == 64) decode_request(PASS(64, 1), b, &buf);
-      else if (D == 128) decode_request(PASS(128, 1), b, &buf);
-      else decode_request(PASS(D, 1), b, &buf);
     }
     free(buf.scores), free(buf.offsets), free(buf.acc);
   }
@@ -229,21 +219,16 @@ static inline __attribute__((always_inline)) void gemm_block(
             acc[i][j / 8][j % 8] + (bias ? load(bias, p * 16 + j, bf16) : 0.f), bf16);
 }
 
-/* A lone decode row takes the 1-row block: the 6-row one would multiply it six times. */
-void linear_f32(const void* x, const void* w, const void* bias, void* y, int M, int N, int K) {
+/* One task per panel; (rows per block, dtype) as constants in each call. A lone decode row
+ * takes the 1-row block: the 6-row one would multiply it six times. */
+void linear(const void* x, const void* w, const void* bias, void* y, int M, int N, int K,
+            int bf16) {
 #pragma omp parallel for schedule(static)
   for (int p = 0; p < N / 16; ++p)
     for (int m0 = 0; m0 < M; m0 += 6) {
-      if (M == 1) gemm_block(x, w, bias, y, M, N, K, p, m0, 1, 0);
+      if (M == 1 && bf16) gemm_block(x, w, bias, y, M, N, K, p, m0, 1, 1);
+      else if (M == 1) gemm_block(x, w, bias, y, M, N, K, p, m0, 1, 0);
+      else if (bf16) gemm_block(x, w, bias, y, M, N, K, p, m0, 6, 1);
       else gemm_block(x, w, bias, y, M, N, K, p, m0, 6, 0);
-    }
-}
-
-void linear_bf16(const void* x, const void* w, const void* bias, void* y, int M, int N, int K) {
-#pragma omp parallel for schedule(static)
-  for (int p = 0; p < N / 16; ++p)
-    for (int m0 = 0; m0 < M; m0 += 6) {
-      if (M == 1) gemm_block(x, w, bias, y, M, N, K, p, m0, 1, 1);
-      else gemm_block(x, w, bias, y, M, N, K, p, m0, 6, 1);
     }
 }

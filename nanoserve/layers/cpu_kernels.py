@@ -22,9 +22,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int
-ARGTYPES = {"paged_decode_f32": [_P] * 6 + [_I] * 6 + [ctypes.c_float],
-            "paged_decode_bf16": [_P] * 6 + [_I] * 6 + [ctypes.c_float],
-            "linear_f32": [_P] * 4 + [_I] * 3, "linear_bf16": [_P] * 4 + [_I] * 3}
+# The last argument of each: 1 for bfloat16 data, 0 for float32.
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],
+            "linear": [_P] * 4 + [_I] * 4}
 
 
 @functools.cache  # once per process

@@ -12,8 +12,6 @@ import ctypes
 import torch
 from torch import nn
 
-_KERNELS = {torch.float32: "linear_f32", torch.bfloat16: "linear_bf16"}
-
 
 def cpu_has_bf16_matmul() -> bool:
     """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16), as vLLM's CPU build
@@ -31,7 +29,7 @@ class PackedLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         n, k = linear.weight.shape
         self.packed = linear.weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
-        self.gemm = getattr(lib, _KERNELS[linear.weight.dtype])
+        self.gemm = lib.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.weight.shape
@@ -41,7 +39,7 @@ class PackedLinear(nn.Module):
         y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
         self.gemm(rows.data_ptr(), self.packed.data_ptr(),
                   None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                  rows.shape[0], n, k)
+                  rows.shape[0], n, k, rows.dtype == torch.bfloat16)
         return y if rows is x else y.view(*x.shape[:-1], n)
 
 
