@@ -1,6 +1,6 @@
 """All of a decode step's linear layers (30 layers of SmolLM2-135M's shapes + lm_head, each
 with its own weights, so they stream from memory as in a real step), at M rows: nanoserve's C
-GEMM (layers/cpu_kernels.c, packed panels) against torch's oneDNN GEMM on pre-packed weights.
+GEMM (layers/cpu_linear.c, packed panels) against torch's oneDNN GEMM on pre-packed weights.
 
     python scripts/gemm_compare.py                 # float32, 1/16/64 rows
     python scripts/gemm_compare.py --rows 256,512

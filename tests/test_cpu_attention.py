@@ -1,4 +1,4 @@
-"""The C decode kernel (layers/cpu_kernels.c) against a naive dense attention.
+"""The C decode kernel (layers/cpu_attention.c) against a naive dense attention.
 
 Same cases as the torch twin's tests (shuffled block tables padded with junk ids, GQA),
 plus the head sizes the kernel specializes (64, 128) and a generic one, bf16, and a cache

@@ -1,4 +1,4 @@
-"""The optimized CPU path: packed linears (cpu_kernels.c's GEMM) compute what nn.Linear
+"""The optimized CPU path: packed linears (cpu_linear.c's GEMM) compute what nn.Linear
 computes, and dtype="auto" picks bf16 on a CPU only where it has bf16 matmul units."""
 
 import pytest

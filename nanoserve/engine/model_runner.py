@@ -16,10 +16,11 @@ from nanoserve.config import DTYPES, EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.engine.sequence import Request
-from nanoserve.layers import cpu_attention, cpu_kernels
+from nanoserve.layers import cpu_attention, cpu_fused, cpu_kernels
 from nanoserve.layers.attention import AttentionMetadata, select_backend
 from nanoserve.layers.cpu_linear import pack_linears
 from nanoserve.layers.sampler import Sampler
+from nanoserve.models.decoder import DecoderAttention, GatedMLP, RMSNorm
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
 
@@ -87,20 +88,34 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
+        self.sampler = Sampler(config.seed)
         if self.device.type == "cpu" and not config.enforce_eager and (
                 lib := cpu_kernels.compile_kernels()):
             pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
             if self.backend.name == "torch":
                 # Decode attention reads the paged cache in place instead of gathering copies.
                 self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
+            if self.dtype == torch.float32:
+                self._use_fused_ops(cpu_fused.FusedOps(lib))
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
-        self.sampler = Sampler(config.seed)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                           self.num_kv_blocks, self.block_size)  # padding block
+
+    def _use_fused_ops(self, ops: cpu_fused.FusedOps) -> None:
+        """Each element-wise step as one C call (cpu_fused.py), in place of torch's ops."""
+        for module in list(self.model.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, RMSNorm):
+                    setattr(module, name, cpu_fused.FusedRMSNorm(child, ops.lib))
+            if isinstance(module, GatedMLP):
+                module.act_and_mul = ops.silu_and_mul
+            if isinstance(module, DecoderAttention):
+                module.rotary = ops.rotary
+        self.sampler.argmax = ops.argmax
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]  # K and V of block_size tokens, in every layer

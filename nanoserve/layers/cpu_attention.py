@@ -1,4 +1,4 @@
-"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_kernels.c).
+"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_attention.c).
 
 The torch twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at
 64 rows of 240 tokens); this kernel reads each cached K/V row once, where it lies, one request

@@ -1,6 +1,7 @@
-"""§1's GEMM and §5's decode attention in C (cpu_kernels.c), for the optimized CPU path only
-(`enforce_eager=False`): compiled for this CPU on first use (~2 s), then loaded from the cache.
-Without a C compiler that path stays plain torch, like the eager one a reader steps through."""
+"""The optimized CPU path's C kernels (`enforce_eager=False` only): §1's GEMM (cpu_linear.c),
+§5's decode attention (cpu_attention.c), §4's element-wise steps (cpu_fused.c), compiled for
+this CPU into one library on first use (~3 s), then loaded from the cache. Without a C
+compiler that path stays plain torch, like the eager one a reader steps through."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from pathlib import Path
 
 from nanoserve.utils.bundled import cache_root
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = sorted(Path(__file__).parent.glob("cpu_*.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # what they share
 # -march=native: this machine's vector width; -fopenmp: the work split over all cores;
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int
-# The last argument of each: 1 for bfloat16 data, 0 for float32.
-ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],
-            "linear": [_P] * 4 + [_I] * 4}
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],  # last: 1 if bf16
+            "linear": [_P] * 4 + [_I] * 4,  # last: 1 if bf16
+            # cpu_fused.c: float32 only
+            "rms_norm": [_P] * 3 + [_I] * 2 + [ctypes.c_float], "rotary": [_P] * 3 + [_I] * 3,
+            "silu_mul": [_P] * 3 + [ctypes.c_int64], "argmax_rows": [_P] * 2 + [_I, ctypes.c_int64]}
 
 
 @functools.cache  # once per process
@@ -37,7 +41,8 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
         return None
     native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
                             capture_output=True, text=True).stdout  # its macros: __AVX2__...
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *FLAGS, native]).encode()).hexdigest()
+    texts = [path.read_text() for path in [HEADER, *SOURCES]]
+    key = hashlib.sha256("\n".join([*texts, *FLAGS, native]).encode()).hexdigest()
     cache = cache_root()
     with contextlib.suppress(OSError):
         cache.mkdir(parents=True, exist_ok=True)
@@ -48,7 +53,7 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
         # Built under a temporary name, then renamed: an interrupted or concurrent build never
         # leaves a half-written library that a later start would load.
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"],
+        build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"],
                                capture_output=True, text=True)
         if build.returncode != 0:
             log.warning("CPU kernels did not compile; the optimized path stays plain torch:"

@@ -1,7 +1,7 @@
 """§1 on a CPU: one weight read serving many tokens, with the weights laid out for the read.
 
 With `enforce_eager=False` each `nn.Linear` becomes a `PackedLinear`, its weight repacked once
-into 16-column panels that cpu_kernels.c's GEMM streams front to back: at 16 rows on an AVX2 CPU
+into 16-column panels that cpu_linear.c's GEMM streams front to back: at 16 rows on an AVX2 CPU
 ~8 GB/s of weights where oneDNN read ~5; faster from 1 to 64 rows, on par at 256-512.
 bf16 is packed only without AMX or AVX512-BF16: with them, oneDNN is faster."""
 
@@ -20,7 +20,7 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` (out_features a multiple of 16) computed by cpu_kernels.c's GEMM."""
+    """An `nn.Linear` (out_features a multiple of 16) computed by cpu_linear.c's GEMM."""
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()

@@ -69,15 +69,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_and_mul = silu_and_mul  # the optimized CPU path: cpu_fused.py's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class RotaryEmbedding(nn.Module):
@@ -134,6 +139,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5)
+        self.rotary = apply_rotary  # the optimized CPU path: cpu_fused.py's kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -143,7 +149,7 @@ class DecoderAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 

@@ -1,0 +1,83 @@
+"""The element-wise kernels (layers/cpu_fused.c) against decoder.py's and the sampler's torch,
+on shapes below and above the size at which they split over threads, and the runner's swap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_model import tiny_model_dir
+
+from nanoserve.config import EngineConfig, resolve_config
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.layers import cpu_kernels
+from nanoserve.layers.cpu_fused import FusedOps, FusedRMSNorm
+from nanoserve.models import decoder
+from nanoserve.models.loader import load_config
+
+LIB = cpu_kernels.compile_kernels()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here")
+OPS = FusedOps(LIB) if LIB else None
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 8), (3, 20), (64, 576)])
+def test_rms_norm(rows, dim):
+    torch.manual_seed(dim)
+    norm = decoder.RMSNorm(dim, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 2.0)
+    x = torch.randn(rows, dim) * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(FusedRMSNorm(norm, LIB)(x), norm(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, heads, head_dim", [(1, 2, 8), (5, 3, 6), (64, 9, 64)])
+def test_rotary_in_place(n, heads, head_dim):
+    torch.manual_seed(n)
+    rope = decoder.RotaryEmbedding(head_dim, max_positions=512, base=10000.0)
+    cos, sin = rope(torch.randint(0, 512, (n,)), torch.float32)
+    x = torch.randn(n, heads, head_dim)
+    expected = decoder.apply_rotary(x, cos, sin)
+    got = OPS.rotary(x, cos, sin)
+    assert got.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 100), (64, 1536)])
+def test_silu_and_mul(shape):
+    torch.manual_seed(shape[1])
+    gate, up = torch.randn(shape) * 10, torch.randn(shape)
+    gate[0, 0], gate[-1, -1] = -200.0, 200.0  # e^200 would overflow; e^-200 must not
+    torch.testing.assert_close(OPS.silu_and_mul(gate, up), decoder.silu_and_mul(gate, up),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 8, 9, 100, 49153])
+def test_argmax_matches_torch_on_ties_infinities_and_nan(cols):
+    torch.manual_seed(cols)
+    logits = torch.randn(9, cols)
+    logits[1] = 1.0  # all tied: the first
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")
+    logits[4, cols // 2] = float("nan")  # NaN wins, as torch.argmax has it
+    logits[5, cols // 3:] = 5.0  # a tie in the middle
+    if cols > 2:
+        logits[6, 1:3] = float("nan")  # the first NaN
+    assert OPS.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_runner_swaps_them_in_only_for_fp32_when_optimized():
+    model_dir = tiny_model_dir()
+
+    def runner(dtype, eager):
+        config = EngineConfig(dtype=dtype, device="cpu", num_kv_blocks=8, enforce_eager=eager)
+        return ModelRunner(resolve_config(config, load_config(model_dir)), model_dir)
+
+    def swapped(r):
+        layer = r.model.model.layers[0]
+        return [isinstance(r.model.model.norm, FusedRMSNorm),
+                layer.mlp.act_and_mul != decoder.silu_and_mul,
+                layer.self_attn.rotary != decoder.apply_rotary,
+                isinstance(getattr(r.sampler.argmax, "__self__", None), FusedOps)]
+
+    assert swapped(runner("float32", eager=False)) == [True] * 4
+    assert swapped(runner("float32", eager=True)) == [False] * 4
+    assert swapped(runner("bfloat16", eager=False)) == [False] * 4
