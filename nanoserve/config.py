@@ -71,15 +71,13 @@ class EngineConfig:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """What "auto" means on `device` (EngineConfig.dtype; cpu_has_bf16_matmul says why)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
 
 
 def resolve_block_size(backend_name: str, block_size: int | None) -> int:
-    """flash-attn's paged KV needs blocks of a multiple of 256 tokens; the torch twins
-    take any size, and small blocks waste less memory on a request's last block."""
+    """flash-attn's paged KV needs multiples of 256 tokens; torch twins, any (16 wastes less)."""
     if backend_name == "flash-attn":
         if block_size is not None and block_size % 256 != 0:
             raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
@@ -89,14 +87,12 @@ def resolve_block_size(backend_name: str, block_size: int | None) -> int:
 
 
 def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineConfig:
-    """A copy of `config` with device, dtype, backend, block_size and max_model_len decided."""
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = auto_device if config.device == "auto" else config.device
     dtype = resolve_dtype(config.dtype, device)
     backend = select_backend(torch.device(device), DTYPES[dtype], config.attention_backend).name
-    # As in vLLM: the model's own limit unless the user asks for less.
     model_limit = hf_config.max_position_embeddings
-    max_model_len = config.max_model_len or model_limit
+    max_model_len = config.max_model_len or model_limit  # as in vLLM: less only if asked for
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
                          f"max_position_embeddings ({model_limit})")

@@ -44,7 +44,6 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its allowed range."""
         need = partial(check_field, self)
         if self.top_k == -1:  # here, not in __post_init__: params may be changed after init
             self.top_k = None

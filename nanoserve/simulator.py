@@ -1,12 +1,9 @@
-"""§5 without a model, and §2, §3, §6.3 step by step.
-
-`KVReadingRunner` runs a step like the ModelRunner, through the real `prepare_inputs`, but
-its "KV cache" holds token ids, written at each new token's slot and read back by each
-sampling row through its block table; the next token is a hash of what it read. So a wrong
-slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
-
-`simulate()` drives the real schedulers and BlockManager with that runner and records every
-step with nanoserve/trace.py; scripts/simulate.py draws the chapter's figures from it."""
+"""§5 without a model, and §2, §3, §6.3 step by step. `KVReadingRunner` runs a step like the
+ModelRunner (through the real `prepare_inputs`), but its "KV cache" holds token ids: written at each
+new token's slot, read back through a sampling row's block table and hashed into its next token. So
+a wrong slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
+`simulate()` drives the real schedulers and BlockManager with it, recording each step with trace.py;
+scripts/simulate.py draws the chapter's figures from that."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ from nanoserve.trace import Tracer
 
 
 def next_token(token_ids: Sequence[int], vocab_size: int = 1000) -> int:
-    """An order-sensitive hash of a sequence, in [0, vocab_size - 1): the id vocab_size - 1
-    is never produced, so it can serve as an EOS that only max_tokens reaches."""
+    """An order-sensitive hash in [0, vocab_size - 1), so vocab_size - 1 can be an EOS never hit."""
     h = 0
     for t in token_ids:
         h = (h * 1_000_003 + t + 1) % (2**61 - 1)
@@ -67,8 +63,7 @@ class KVReadingRunner:
 
 @dataclass
 class Job:
-    """A request of exactly `output_len` tokens (EOS ignored), arriving once `arrival_step`
-    steps have run: step `arrival_step + 1` is the first that can take it."""
+    """A request of exactly `output_len` tokens (EOS ignored), due from step `arrival_step + 1`."""
 
     name: str  # one character: the request's letter in the grid
     prompt_len: int
@@ -112,8 +107,7 @@ class Simulation:
 
 def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_blocks: int = 256,
              block_size: int = 4, token_budget: int = 256, trace: str | None = None) -> Simulation:
-    """Run `jobs` on make_scheduler's real scheduler and BlockManager, KVReadingRunner in
-    place of the model. `trace`: also append the run to this JSON-lines file."""
+    """`trace`: also append the run to this JSON-lines file (nanoserve/trace.py)."""
     config = EngineConfig(max_num_seqs=num_slots, max_num_batched_tokens=token_budget,
                           max_model_len=num_blocks * block_size, scheduling_policy=policy,
                           enable_prefix_caching=False)  # a preempted request recomputes all

@@ -1,10 +1,8 @@
-"""§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/trace_page.py`.
-
-A run's header line, then per step: each batch row with its seat and role (prefill chunk,
-decode, or a static "idle row" = "slot quay không"), the token budget spent, waiting queue,
-free KV blocks, who was admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the
-chapter's "slot" (not a KV position): the lowest free one on admission, kept while running
-(static: also while idle), freed at finish or preemption; the tracer keeps them."""
+"""§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/trace_page.py`. A run's header
+line, then per step: each batch row with its seat and role (prefill chunk, decode, or a static "idle
+row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks, who was admitted,
+preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not a KV position): the
+lowest free one on admission, freed at finish (static: batch end) or preemption."""
 
 from __future__ import annotations
 

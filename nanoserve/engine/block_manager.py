@@ -1,10 +1,9 @@
 """§5: KV memory as fixed-size blocks, allocated on demand and reclaimed at once: taken from the
 free pool as a request's tokens are computed, returned to it in the step the request finishes.
 
-Prefix caching: each *full* block gets a hash chained from its parent's hash and its token
-ids, so equal hashes mean equal prefixes. A block whose KV has been computed is registered
-under its hash and stays reusable after it is freed, until the pool needs it back. A hit
-is verified against the stored token ids (hashes can collide).
+Prefix caching: each *full* block whose KV is computed is registered under a hash chained from its
+parent's hash and its token ids, so a hash names a whole prefix (hits are checked against the token
+ids: hashes can collide). It stays reusable after it is freed, until the pool needs it back.
 
 Invariants (checked by the property tests after every step):
     num_free_blocks + num_used_blocks == num_blocks
@@ -75,9 +74,8 @@ class BlockManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> bool:
-        """Give `req` blocks for `num_new_tokens` more tokens. At admission, pass the
-        result of get_computed_blocks (maybe empty) as `new_computed_blocks`: the cached
-        blocks join the request first. All or nothing: False changes no state."""
+        """Give `req` blocks for `num_new_tokens` more tokens; at admission, `new_computed_blocks`
+        (from get_computed_blocks, maybe []) join first. All or nothing: False changes no state."""
         computed = new_computed_blocks or []
         # Cached blocks only come at admission, when num_computed_tokens is still 0.
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
@@ -129,8 +127,7 @@ class BlockManager:
                 self.cached_blocks.setdefault(parent, block.block_id)
 
     def free(self, req: Request) -> None:
-        """Return all of `req`'s blocks. Tail blocks are freed first so that, among one
-        request's blocks, the shared prefix is evicted last."""
+        """Return all of `req`'s blocks, tail first: its shared prefix is then evicted last."""
         for block_id in reversed(req.block_table):
             block = self.blocks[block_id]
             if block.ref_count <= 0:

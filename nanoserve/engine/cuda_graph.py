@@ -1,10 +1,8 @@
-"""CUDA graphs for decode steps (GPU only; never used on CPU).
-
-On a GPU, the launch cost of a decode step's hundreds of small kernels, not the arithmetic, sets the
-step time (§1: decode is memory bound). A graph records the launches once and replays them in one
-call, for fixed shapes only: graphs are captured for a ladder of batch sizes, a decode batch is
-padded to the next one and its padding rows touch only the padding block. If capture fails (a kernel
-syncing with the host, as flash-attn's paged decode does after 2.8.3), decode runs eagerly."""
+"""CUDA graphs for decode steps (GPU only; never used on CPU). The launch cost of a decode step's
+hundreds of small kernels, not the arithmetic, sets the step time (§1: decode is memory bound). A
+graph records the launches once and replays them in one call, for fixed shapes only: one graph per
+batch size of a ladder, a decode batch padded to the next. If capture fails (a host sync, as in
+flash-attn after 2.8.3), decode runs eagerly."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from nanoserve.layers.attention import AttentionMetadata
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16, up to and including max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
 

@@ -1,10 +1,9 @@
 """§4 ("one forward step") and §5: run one scheduled step on the model.
 
-Selective batching (Orca): the new tokens of *all* scheduled requests are flattened into one batch
-of rows, whatever mix of prefill chunks and decodes they are. The linear layers don't care where a
-request ends; only attention does, and it learns that from the `AttentionMetadata` built here. Rows
-come in this order: decodes (requests with exactly one new token, then the static policy's idle
-rows), then prefill chunks. Each new token's K/V goes to its paged-cache slot (`slot_mapping`)."""
+Selective batching (Orca): the new tokens of *all* scheduled requests, prefill chunks and decodes
+alike, are flattened into one batch of rows. The linear layers don't care where a request ends; only
+attention does, told by the `AttentionMetadata` built here (with each new token's KV slot). Rows:
+decodes (one new token each, then static batching's idle rows), then prefill chunks."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ from nanoserve.sampling_params import SamplingParams
 
 @dataclass
 class ModelInputs:
-    """One step's batch, flattened: what the model's forward takes, and which rows sample."""
-
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
@@ -93,7 +90,6 @@ class ModelRunner:
                 lib := cpu_kernels.compile_kernels()):
             pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
             if self.backend.name == "torch":
-                # Decode attention reads the paged cache in place instead of gathering copies.
                 self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
             if self.dtype == torch.float32:
                 self._use_fused_ops(cpu_fused.FusedOps(lib))
@@ -106,7 +102,6 @@ class ModelRunner:
                                           self.num_kv_blocks, self.block_size)  # padding block
 
     def _use_fused_ops(self, ops: cpu_fused.FusedOps) -> None:
-        """Each element-wise step as one C call (cpu_fused.py), in place of torch's ops."""
         for module in list(self.model.modules()):
             for name, child in module.named_children():
                 if isinstance(child, RMSNorm):

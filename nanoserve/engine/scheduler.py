@@ -1,11 +1,10 @@
-"""§6.1–§6.3: the iteration-level Scheduler (after vLLM V1's scheduler.py); the §2 baseline,
-static batching, is its own class in static_scheduler.py.
+"""§6.1–§6.3: the iteration-level Scheduler, FCFS or PRIORITY (after vLLM V1's scheduler.py); the
+§2 baseline, static batching, is its own class in static_scheduler.py.
 
-Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blocks). Every
-step `schedule()` spends a token budget in the order of §6.2: running requests first,
-preempting by recompute when the BlockManager has no free block (§6.3); then, only if
-nothing was preempted, waiting requests. After the forward pass `update_from_output()`
-appends sampled tokens, checks stops and frees finished requests' blocks at once (§3, §4)."""
+Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blocks). Each step
+`schedule()` spends a token budget in §6.2's order: running requests first, preempting by recompute
+when no block is free (§6.3); then, if nothing was preempted, waiting ones. After the forward pass
+`update_from_output()` appends tokens, checks stops and frees finished requests at once (§3, §4)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ from nanoserve.engine.waiting_queue import FCFSQueue, PriorityQueue
 
 @dataclass
 class ScheduledRequest:
-    """One entry of a step, decided once by the scheduler."""
-
     request: Request
     num_new_tokens: int
     samples: bool  # this step computes the request's last known token, so a token is sampled
@@ -52,8 +49,6 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching: FCFS or PRIORITY."""
-
     def __init__(self, config: EngineConfig, num_kv_blocks: int, block_size: int) -> None:
         self.config = config
         self.block_manager = BlockManager(num_kv_blocks, block_size, config.enable_prefix_caching)
@@ -198,8 +193,7 @@ class Scheduler:
         return None
 
     def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
-        """Remove a waiting, running or preempted request and free its blocks. Unknown or
-        already finished ids are a no-op (returns None), as in vLLM (and StaticScheduler's)."""
+        """Remove a waiting, running or preempted request, freeing its blocks (else no-op: None)."""
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)
@@ -215,7 +209,6 @@ class Scheduler:
 
 
 def make_scheduler(config: EngineConfig, num_kv_blocks: int, block_size: int) -> Scheduler:
-    """scheduling_policy "fcfs"/"priority": continuous batching; "static": the §2 baseline."""
     if config.scheduling_policy == "static":
         from nanoserve.engine.static_scheduler import StaticScheduler
 

@@ -1,8 +1,6 @@
-"""§6: the state of one request, as the scheduler sees it.
-
-There is no "prefill phase" and no "decode phase" (§6, vLLM V1): a request only advances
-`num_computed_tokens` toward `num_tokens`. Prefill is the case where many tokens are
-still uncomputed; decode is the case where exactly one (the last sampled token) is.
+"""§6: the state of one request, as the scheduler sees it. No "prefill phase", no "decode phase"
+(§6, vLLM V1): a request only advances `num_computed_tokens` toward `num_tokens`; prefill is many
+tokens uncomputed, decode exactly one (the last sampled).
 
 Invariants:
     0 <= num_computed_tokens <= num_tokens
@@ -43,8 +41,7 @@ class Request:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
-    # token_ids = prompt followed by outputs; one list so appending is O(1).
-    token_ids: list[int] = field(init=False)
+    token_ids: list[int] = field(init=False)  # prompt, then outputs: one list, O(1) appends
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks cached so far
@@ -54,7 +51,6 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # set when sampling_params.seed is given
-
     first_token_time: float | None = None  # metrics timestamps: time.monotonic()
     finish_time: float | None = None
 

@@ -1,8 +1,7 @@
-"""§2: static batching, the baseline continuous batching is measured against.
-
-Same BlockManager, Request and running loop as `Scheduler`; only admission and release differ, as in
-HF `generate`: a batch is admitted whole after the previous one left, and a finished request keeps
-its seat and blocks, its row still computed (an "idle row", pure waste) till the batch ends."""
+"""§2: static batching, the baseline continuous batching is measured against. Same BlockManager,
+Request and running loop as `Scheduler`; only admission and release differ, as in HF `generate`: a
+batch is admitted whole after the previous one left, and a finished request keeps its seat and
+blocks, its row still computed (an "idle row", pure waste) till the batch ends."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class StaticScheduler(Scheduler):
         return out
 
     def _admit_batch(self) -> list[Request]:
-        """Take up to max_num_seqs requests at once, whatever the token budget: their
-        prefills are then chunked by the budget like any running request's."""
+        """Up to max_num_seqs requests at once, whatever the budget (it chunks their prefills)."""
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
@@ -45,7 +43,6 @@ class StaticScheduler(Scheduler):
         return False  # nobody joins a batch once it runs
 
     def _release(self, finished: list[Request]) -> list[Request]:
-        """Finished rows keep their blocks until the whole batch leaves together."""
         self.idle_rows += finished
         if self.running:
             return []

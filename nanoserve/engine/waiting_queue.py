@@ -1,8 +1,6 @@
-"""§6.1: the waiting queue, ordered by the scheduling policy.
-
-FCFS (and static): arrival order; a preempted request goes back to the *front*, so it
-resumes before requests that never ran. PRIORITY: smallest (priority, arrival_time)
-first; a preempted request simply re-enters in that order, which puts it where it belongs."""
+"""§6.1: the waiting queue, ordered by the scheduling policy. FCFS (and static): arrival order; a
+preempted request goes back to the *front*, so it resumes before requests that never ran. PRIORITY:
+smallest (priority, arrival_time) first, preempted or not."""
 
 from __future__ import annotations
 
@@ -13,8 +11,6 @@ from nanoserve.engine.sequence import Request
 
 
 class FCFSQueue:
-    """A list in service order: `peek()` and `pop()` take the front."""
-
     def __init__(self) -> None:
         self._queue: list[Request] = []
 

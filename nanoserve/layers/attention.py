@@ -2,9 +2,8 @@
 
 `AttentionMetadata` tells attention where each request of the flattened batch ends. Rows are
     [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
-where "decode" means only "computes exactly one new token this step" (a one-token prefill
-chunk takes the same path, correctly). The two calls have flash-attn's signatures: its
-kernels on CUDA where flash_attn can run (`select_backend`), else torch_attention.py's twins."""
+where "decode" just means one new token this step (a one-token prefill chunk takes that path,
+correctly). Both calls: flash-attn's where it can run (`select_backend`), else the torch twins."""
 
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ from nanoserve.layers import torch_attention
 
 @dataclass
 class AttentionMetadata:
-    """Where each flattened token belongs. Built by ModelRunner, read by every layer."""
-
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
     num_decode_tokens: int  # the first rows of the batch, one per decoding request
     decode_context_lens: torch.Tensor  # [num_decodes] int32: KV length incl. the new token
@@ -50,14 +47,11 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """Paged attention for one layer. The cache and backend are bound by the ModelRunner."""
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
-        self.v_cache = torch.empty(0)
+        self.k_cache = self.v_cache = torch.empty(0)  # [blocks, block_size, kv_heads, head_dim]
         self.backend: AttentionBackend | None = None
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
@@ -94,9 +88,8 @@ _fallbacks_logged: set[str] = set()  # say each reason for not using flash-attn 
 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
                    compute_capability: tuple[int, int] | None = None) -> AttentionBackend:
-    """The one place that picks the kernels: flash-attn when it imports and can run here, else
-    the torch twins. `requested`: "auto", "flash-attn" (an error if unusable: called before any
-    weights load, it fails early) or "torch". `compute_capability`: None reads the GPU's."""
+    """The one place that picks the kernels: flash-attn when it imports and can run here, else the
+    torch twins. `requested` "flash-attn" makes that an error (raised before any weights load)."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {requested!r}")

@@ -1,8 +1,7 @@
-"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_attention.c).
-
-The torch twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at
-64 rows of 240 tokens); this kernel reads each cached K/V row once, where it lies, one request
-per task, with the twin's signature and checks. Prefill chunks keep the twin (compute-bound)."""
+"""§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_attention.c). The torch
+twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at 64 rows of 240
+tokens); this kernel reads each cached K/V row once, where it lies, one request per task, with the
+twin's signature and checks. Prefill chunks keep the twin (compute-bound)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
 
 
 def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
-    """`backend` (the torch twins) with its decode call replaced by the kernel."""
-
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                                 block_table=None, softmax_scale=None, causal=False,
                                 flash_contract=False):

@@ -1,8 +1,7 @@
-"""§4's element-wise steps on a CPU, in float32: RMSNorm, RoPE, SiLU-and-multiply and the
-greedy argmax, each one call into cpu_fused.c where torch runs 2-7 small ops, each with its
-own pass over memory and its own start of the threads (fp32 decode step: 0.93x at 1 row,
-0.91x at 16). The ModelRunner swaps them in with `enforce_eager=False`; the eager path keeps
-decoder.py's and sampler.py's torch, with the same signatures."""
+"""§4's element-wise steps on a CPU, in float32: decoder.py's RMSNorm, RoPE and SiLU-and-multiply
+and sampler.py's greedy argmax, each one call into cpu_fused.c where torch runs 2-7 small ops, each
+its own pass over memory and start of the threads (fp32 decode step: 0.93x at 1 row, 0.91x at 16).
+The ModelRunner swaps them in (same signatures) with `enforce_eager=False`."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from torch import nn
 
 
 class FusedRMSNorm(nn.Module):
-    """decoder.RMSNorm (its weight and eps) as one call."""
-
     def __init__(self, norm: nn.Module, lib: ctypes.CDLL) -> None:
         super().__init__()
         self.weight, self.eps, self.lib = norm.weight, norm.eps, lib
@@ -28,8 +25,6 @@ class FusedRMSNorm(nn.Module):
 
 
 class FusedOps:
-    """decoder.apply_rotary, decoder.silu_and_mul and the sampler's argmax, as calls."""
-
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 

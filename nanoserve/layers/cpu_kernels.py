@@ -1,7 +1,6 @@
-"""The optimized CPU path's C kernels (`enforce_eager=False` only): §1's GEMM (cpu_linear.c),
-§5's decode attention (cpu_attention.c), §4's element-wise steps (cpu_fused.c), compiled for
-this CPU into one library on first use (~3 s), then loaded from the cache. Without a C
-compiler that path stays plain torch, like the eager one a reader steps through."""
+"""The optimized CPU path's C kernels (`enforce_eager=False` only): §1's GEMM (cpu_linear.c), §5's
+decode attention (cpu_attention.c), §4's element-wise steps (cpu_fused.c), built for this CPU into
+one library on first use (~3 s), then cached. Without a C compiler that path stays plain torch."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],  # last:
 
 @functools.cache  # once per process
 def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
-    """Load the kernels, built on first use into the cache under a key of the source, the
-    flags and what -march=native means on this CPU; None if that fails."""
+    """The kernels, built once into the cache (keyed by source, flags, -march=native), or None."""
     log = logging.getLogger("nanoserve")
     if shutil.which(compiler) is None:
         log.warning("CPU kernels: no C compiler %r; the optimized path stays plain torch", compiler)
@@ -50,8 +48,7 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
         cache = Path(tempfile.mkdtemp())
     target = cache / f"cpu_kernels-{key[:16]}.so"
     if not target.is_file():
-        # Built under a temporary name, then renamed: an interrupted or concurrent build never
-        # leaves a half-written library that a later start would load.
+        # Built as a temporary file, then renamed: no start ever loads a half-written library.
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"],
                                capture_output=True, text=True)

@@ -1,9 +1,8 @@
-"""§1 on a CPU: one weight read serving many tokens, with the weights laid out for the read.
-
-With `enforce_eager=False` each `nn.Linear` becomes a `PackedLinear`, its weight repacked once
-into 16-column panels that cpu_linear.c's GEMM streams front to back: at 16 rows on an AVX2 CPU
-~8 GB/s of weights where oneDNN read ~5; faster from 1 to 64 rows, on par at 256-512.
-bf16 is packed only without AMX or AVX512-BF16: with them, oneDNN is faster."""
+"""§1 on a CPU: one weight read serving many tokens, with the weights laid out for the read. With
+`enforce_eager=False` each `nn.Linear` becomes a `PackedLinear`, its weight repacked once into
+16-column panels that cpu_linear.c's GEMM streams front to back: at 16 rows on an AVX2 CPU ~8 GB/s
+of weights where oneDNN read ~5; faster from 1 to 64 rows, on par at 256-512. bf16 is packed only
+without AMX or AVX512-BF16: with them, oneDNN is faster."""
 
 from __future__ import annotations
 
@@ -14,14 +13,11 @@ from torch import nn
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16), as vLLM's CPU build
-    checks; elsewhere bf16 is emulated and several times slower than fp32."""
+    """Native bf16 (AMX or AVX512-BF16, vLLM's CPU check); else emulated, slower than fp32."""
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` (out_features a multiple of 16) computed by cpu_linear.c's GEMM."""
-
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
         # The plain weight stays the module's parameter (tied embeddings, parameter counts);
@@ -44,7 +40,6 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, lib: ctypes.CDLL) -> None:
-    """Replace the CPU model's nn.Linears that the GEMM serves by PackedLinears (in place)."""
     dtypes = {torch.float32} if cpu_has_bf16_matmul() else {torch.float32, torch.bfloat16}
     for module in list(model.modules()):
         for name, child in module.named_children():

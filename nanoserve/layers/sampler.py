@@ -50,8 +50,7 @@ class Sampler:
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Probabilities over the vocabulary sorted descending (and that order), with
-        top-k and top-p applied: tokens outside them get probability 0."""
+        """Sorted probabilities (descending) and their vocabulary order; 0 outside top-k, top-p."""
         # min(): a huge temperature (even inf) stays finite in float32, so -inf / t = -inf, not NaN.
         temperature = torch.tensor([min(p.temperature, 3e38) for p in params]).unsqueeze(1)
         logits, order = (logits / temperature).sort(dim=-1, descending=True)

