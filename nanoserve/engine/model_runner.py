@@ -89,9 +89,9 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.enforce_eager and (
                 lib := cpu_kernels.compile_kernels()):
             pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
-            if self.backend.name == "torch":
+            if self.backend.name == "torch":  # decode reads the paged KV in place, no copies
                 self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
-            if self.dtype == torch.float32:
+            if self.dtype == torch.float32:  # each element-wise step in one pass, not 2-7 ops
                 self._use_fused_ops(cpu_fused.FusedOps(lib))
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()

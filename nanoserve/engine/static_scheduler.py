@@ -43,6 +43,7 @@ class StaticScheduler(Scheduler):
         return False  # nobody joins a batch once it runs
 
     def _release(self, finished: list[Request]) -> list[Request]:
+        """Finished rows keep their blocks until the whole batch leaves together."""
         self.idle_rows += finished
         if self.running:
             return []

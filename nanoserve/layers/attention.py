@@ -19,6 +19,8 @@ from nanoserve.layers import torch_attention
 
 @dataclass
 class AttentionMetadata:
+    """Where each flattened token belongs. Built by ModelRunner, read by every layer."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
     num_decode_tokens: int  # the first rows of the batch, one per decoding request
     decode_context_lens: torch.Tensor  # [num_decodes] int32: KV length incl. the new token
@@ -47,6 +49,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 class Attention(nn.Module):
+    """Paged attention for one layer. The cache and backend are bound by the ModelRunner."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
