@@ -36,15 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # ends the run. A mutant's own module's tests go first (see `ordered`).
 FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
               "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
-              "tests/test_abort.py", "tests/test_validation.py"]
+              "tests/test_abort.py", "tests/test_validation.py", "tests/test_cpu_fused.py",
+              "tests/test_cpu_linear.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
-         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"]}
+         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"],
+         "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
+         "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
+         "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
 BM = "nanoserve/engine/block_manager.py"
 RUNNER = "nanoserve/engine/model_runner.py"
 SAMPLER = "nanoserve/layers/sampler.py"
+FUSED, GEMM = "nanoserve/layers/cpu_fused.c", "nanoserve/layers/cpu_linear.c"
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,27 @@ MUTANTS = [
            "probs[j], 1, generator=", "probs[i], 1, generator=",
            "a sampled row draws from another row's probabilities",
            "each row samples from its own logits"),
+    # -- the optimized CPU path's kernels compute what the reader's torch computes ----------
+    Mutant("rope_sign_flipped", FUSED,
+           "xh[i] = x1 * c[i] - x2 * s[i];", "xh[i] = x1 * c[i] + x2 * s[i];",
+           "the C RoPE rotates the first half the wrong way",
+           "the fused kernels equal decoder.py's torch"),
+    Mutant("silu_sigmoid_swapped", FUSED,
+           "(g >= 0.f ? 1.f : e)", "(g >= 0.f ? e : 1.f)",
+           "the C SiLU takes sigmoid(-g) for one sign of g",
+           "the fused kernels equal decoder.py's torch"),
+    Mutant("argmax_nan_missed", FUSED,
+           "      nan8 |= v != v;\n", "",
+           "the C argmax misses a NaN outside the last few columns",
+           "a NaN row fails its request (the sampler's check), as with torch.argmax"),
+    Mutant("gemm_prefetch_pass_skips_k", GEMM,
+           "k < k0 + passes && k < K;", "k < k0 + passes - 1 && k < K;",
+           "the prefetching GEMM loop skips one k in every `passes`",
+           "§1: the packed GEMM equals nn.Linear"),
+    Mutant("fused_ops_in_bf16", RUNNER,
+           "if self.dtype == torch.float32:", "if True:",
+           "the float32-only kernels are swapped in for a bf16 model",
+           "bf16 keeps torch's element-wise steps (HF's rounding points)"),
 ]
 
 
