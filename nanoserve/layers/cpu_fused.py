@@ -1,7 +1,6 @@
-"""§4's element-wise steps on a CPU, in float32: decoder.py's RMSNorm, RoPE and SiLU-and-multiply
-and sampler.py's greedy argmax, each one call into cpu_fused.c where torch runs 2-7 small ops, each
-its own pass over memory and start of the threads (fp32 decode step: 0.93x at 1 row, 0.91x at 16).
-The ModelRunner swaps them in (same signatures) with `enforce_eager=False`."""
+"""§4's element-wise steps on a CPU, fp32: RMSNorm, RoPE, SiLU-and-multiply and greedy argmax, each
+one call into cpu_fused.c where torch runs 2-7 small ops, each its own pass over memory and thread
+start (fp32 decode step: 0.93x at 1 row, 0.91x at 16). The ModelRunner swaps them in (no eager)."""
 
 from __future__ import annotations
 

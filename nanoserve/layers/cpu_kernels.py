@@ -24,8 +24,7 @@ HEADER = Path(__file__).with_name("cpu_kernels.h")  # what they share
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],  # last: 1 if bf16
-            "linear": [_P] * 4 + [_I] * 4,  # last: 1 if bf16
-            # cpu_fused.c: float32 only
+            "linear": [_P] * 4 + [_I] * 4,  # last: 1 if bf16; the rest (cpu_fused.c): fp32 only
             "rms_norm": [_P] * 3 + [_I] * 2 + [ctypes.c_float], "rotary": [_P] * 3 + [_I] * 3,
             "silu_mul": [_P] * 3 + [ctypes.c_int64], "argmax_rows": [_P] * 2 + [_I, ctypes.c_int64]}
 

@@ -21,8 +21,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int | str]:
-        """logits: [num_rows, vocab]; one params and one (optional) generator per row.
-        Returns a token id per row, or an error message (str) for a row that failed."""
+        """logits [rows, vocab], a params and generator (or None) per row -> token or error str."""
         logits = logits.float()
         greedy = self.argmax(logits).unsqueeze(1)
         # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
