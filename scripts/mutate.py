@@ -37,11 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
               "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
               "tests/test_abort.py", "tests/test_validation.py", "tests/test_cpu_fused.py",
-              "tests/test_cpu_linear.py"]
+              "tests/test_cpu_linear.py", "tests/test_cpu_attention.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"],
          "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
          "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
+         "nanoserve/layers/cpu_attention.c": ["tests/test_cpu_attention.py"],
          "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
@@ -50,6 +51,7 @@ BM = "nanoserve/engine/block_manager.py"
 RUNNER = "nanoserve/engine/model_runner.py"
 SAMPLER = "nanoserve/layers/sampler.py"
 FUSED, GEMM = "nanoserve/layers/cpu_fused.c", "nanoserve/layers/cpu_linear.c"
+ATTN = "nanoserve/layers/cpu_attention.c"
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,18 @@ MUTANTS = [
            "k < k0 + passes && k < K;", "k < k0 + passes - 1 && k < K;",
            "the prefetching GEMM loop skips one k in every `passes`",
            "§1: the packed GEMM equals nn.Linear"),
+    Mutant("gemm_group_panel_off_by_one", GEMM,
+           "while (p >= ns[i] / 16)", "while (p > ns[i] / 16)",
+           "a grouped GEMM call gives one linear's first panel to the one before",
+           "q, k, v in one GEMM call compute what each computes alone"),
+    Mutant("decode_reads_past_the_cache", ATTN,
+           "if (id < 0 || id >= num_blocks) return b;", "if (id < 0) return b;",
+           "the C decode kernel reads a block id past the cache",
+           "a bad block id is a ValueError, never a read outside the cache"),
+    Mutant("cache_write_past_the_cache", ATTN,
+           "if (slots[i] < 0 || slots[i] >= num_slots) return i;", "if (slots[i] < 0) return i;",
+           "the C cache write takes a slot past the cache",
+           "a bad slot is a ValueError, never a write outside the cache"),
     Mutant("fused_ops_in_bf16", RUNNER,
            "if self.dtype == torch.float32:", "if True:",
            "the float32-only kernels are swapped in for a bf16 model",

@@ -34,7 +34,8 @@ from nanoserve.utils.bundled import default_model_dir
 def no_op_library(directory: str) -> ctypes.CDLL:
     """The kernels' names, each doing nothing."""
     source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
-    source.write_text("".join(f"void {name}(void) {{}}\n" for name in cpu_kernels.ARGTYPES))
+    source.write_text("".join(f"int {name}(void) {{ return -1; }}\n"  # -1: "no error"
+                                 for name in cpu_kernels.ARGTYPES))
     subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
     lib = ctypes.CDLL(str(target))
     for name, argtypes in cpu_kernels.ARGTYPES.items():

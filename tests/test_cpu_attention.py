@@ -88,12 +88,15 @@ def test_kernel_agrees_with_the_twin_on_a_clean_cache():
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad_id", [-1, 10**6])
+@pytest.mark.parametrize("bad_id", [-1, "the end", 10**6])
 def test_block_ids_outside_the_cache_are_an_error(bad_id):
     case = PagedCase(LENS, 16, num_kv_heads=2, group=1, seed=0, head_dim=64)
-    case.block_table[2, 0] = bad_id
+    num_blocks = case.k_cache.shape[0]
+    case.block_table[2, 0] = num_blocks if bad_id == "the end" else bad_id
+    # The caches are views of one block more: a read just past their end would not crash.
+    k_cache, v_cache = (torch.cat([c, c[:1]])[:num_blocks] for c in (case.k_cache, case.v_cache))
     with pytest.raises(ValueError, match="block ids outside"):
-        run(case)
+        run(case, k_cache=k_cache, v_cache=v_cache)
 
 
 def test_shared_twin_checks_still_apply():
@@ -104,6 +107,40 @@ def test_shared_twin_checks_still_apply():
         run(case, block_table=case.block_table[:, :2].contiguous())
     with pytest.raises(ValueError, match="one row per query"):
         run(case, block_table=case.block_table[:3].contiguous())
+
+
+@pytest.mark.parametrize("bad_request", [0, 5])
+def test_a_bad_length_is_named_and_unread_padding_may_hold_anything(bad_request):
+    case = PagedCase(LENS, 16, num_kv_heads=2, group=1, seed=0, head_dim=64)
+    lens = torch.tensor([c for c, _ in case.lens], dtype=torch.int32)
+    lens[bad_request] = 0
+    with pytest.raises(ValueError, match=f"sequence {bad_request}: a query would see no key"):
+        run(case, cache_seqlens=lens)
+    # The unread padding of a table may hold anything: only the blocks a length needs are read.
+    clean = run(case)
+    case.block_table[0, 1:] = 10**6  # request 0 has 1 token: block 0 only
+    assert torch.equal(run(case), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_write_is_the_twins_and_refuses_slots_outside_the_cache(dtype):
+    backend = select_backend(torch.device("cpu"), dtype, "torch")
+    fast = cpu_attention.with_decode_kernel(backend, KERNEL).store_kvcache
+    torch.manual_seed(0)
+    key, value = torch.randn(2, 5, 3, 8).to(dtype)
+    slots = torch.tensor([7, 0, 23, 12, 3])
+    # K and V caches of 3 blocks of 8 tokens, views of 4: a write just past the end won't crash.
+    memory = [torch.randn(2, 4, 8, 3, 8).to(dtype)]
+    memory.append(memory[0].clone())
+    caches = [(m[0, :3], m[1, :3]) for m in memory]
+    backend.store_kvcache(key, value, *caches[0], slots)
+    fast(key, value, *caches[1], slots)
+    assert torch.equal(memory[0], memory[1])
+    before = memory[1].clone()
+    for bad in (-1, 24):
+        with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {bad} is outside the cache"):
+            fast(key, value, *caches[1], torch.tensor([1, 2, bad, 4, 5]))
+        assert torch.equal(memory[1], before)  # nothing written, past the end neither
 
 
 def test_kernels_are_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):

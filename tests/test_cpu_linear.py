@@ -38,6 +38,22 @@ def test_packed_linear_bf16_and_leading_dims():
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 7])
+def test_linears_of_one_input_as_one_gemm_call_compute_each_alone(rows):
+    """q, k and v (or gate and up) in one call: the same numbers as one call each, even with a
+    bias on one of them; a plain nn.Linear in the group makes it one call each."""
+    torch.manual_seed(rows)
+    linears = [nn.Linear(40, n, bias=n == 32).requires_grad_(False) for n in (48, 16, 32)]
+    packed = [PackedLinear(linear, LIB) for linear in linears]
+    x = torch.randn(rows, 40)
+    with torch.inference_mode():
+        together = cpu_linear.packed_linears(x, *packed)
+        assert all(torch.equal(y, p(x)) for y, p in zip(together, packed, strict=True))
+        mixed = cpu_linear.packed_linears(x, packed[0], linears[1])
+        assert torch.equal(mixed[1], linears[1](x)) and torch.equal(mixed[0], together[0])
+
+
+@needs_compiler
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_pack_linears_swaps_what_the_gemm_serves(monkeypatch, native_bf16):
     monkeypatch.setattr(cpu_linear, "cpu_has_bf16_matmul", lambda: native_bf16)

@@ -33,19 +33,20 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
 
 
-@dataclass(frozen=True)
-class AttentionBackend:
-    name: str
-    varlen_func: Callable[..., torch.Tensor]  # flash_attn_varlen_func
-    with_kvcache: Callable[..., torch.Tensor]  # flash_attn_with_kvcache
-
-
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's K/V into its cache slot (an indexed copy, no custom kernel)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    varlen_func: Callable[..., torch.Tensor]  # flash_attn_varlen_func
+    with_kvcache: Callable[..., torch.Tensor]  # flash_attn_with_kvcache
+    store_kvcache: Callable[..., None] = store_kvcache
 
 
 class Attention(nn.Module):
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         if self.backend is None:
             raise RuntimeError("Attention has no KV cache bound: the ModelRunner calls bind() "
                                "when it allocates the cache")
-        store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd > 0:

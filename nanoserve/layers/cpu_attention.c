@@ -13,9 +13,9 @@ static inline void prefetch_row(const void* cache, int64_t i, int row, int bf16)
  * table. Each cached token's K (and V) row of all KV heads is read once, in place: no copy
  * of the request's blocks is gathered first. The torch twin's arithmetic: scores, softmax,
  * weighted sum of V.
- * Layouts: q, out [B, H, D]; caches [blocks, block_size, Hkv, D], D a multiple of 8;
+ * Layouts: q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D], D a multiple of 8;
  * block_table [B, W] and lens [B] int32. Query head h reads KV head h / (H / Hkv) (GQA).
- * The caller (cpu_attention.py) has checked every block id, length and D against the cache.
+ * The caller (cpu_attention.py) has checked the shapes; paged_decode checks the values.
  */
 
 /* A thread's buffers, grown as needed: scores [H, L], each token's row offset [L] and the
@@ -94,13 +94,31 @@ static inline __attribute__((always_inline)) void decode_request(
 #define ARGS                                                                               \
   const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table,     \
       const int32_t *lens, void *out, int B, int H, int Hkv, int D, int block_size, int W, \
-      float scale
+      int num_blocks, float scale
 #define PASS(d, bf16) \
   q, k_cache, v_cache, block_table, lens, out, H, Hkv, d, block_size, W, scale, bf16
 
+/* The first request whose length is not in [1, W * block_size] or that would read a block
+ * outside [0, num_blocks), or -1. Checked here, where it costs a loop over the table: as
+ * torch ops it was 4 tensor reductions and comparisons per layer (~6% of a 1-row step). */
+static int first_bad_request(const int32_t* block_table, const int32_t* lens, int B, int W,
+                             int block_size, int num_blocks) {
+  for (int b = 0; b < B; ++b) {
+    if (lens[b] < 1 || lens[b] > W * block_size) return b;
+    for (int j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int32_t id = block_table[(int64_t)b * W + j];
+      if (id < 0 || id >= num_blocks) return b;
+    }
+  }
+  return -1;
+}
+
 /* One request per task. Each (head size, dtype) below gets its own copy of decode_request,
- * with those two as constants: 64 and 128 unrolled, any other multiple of 8 generic. */
-void paged_decode(ARGS, int bf16) {
+ * with those two as constants: 64 and 128 unrolled, any other multiple of 8 generic.
+ * Returns -1, or a request whose values first_bad_request refuses: then nothing is read. */
+int paged_decode(ARGS, int bf16) {
+  const int bad = first_bad_request(block_table, lens, B, W, block_size, num_blocks);
+  if (bad >= 0) return bad;
 #pragma omp parallel
   {
     struct scratch buf = {0};
@@ -115,4 +133,20 @@ void paged_decode(ARGS, int bf16) {
     }
     free(buf.scores), free(buf.offsets), free(buf.acc);
   }
+  return -1;
+}
+
+/* ---- §5: this step's K and V into their cache slots ----
+ * Row i of k and of v (one token's K or V, all KV heads: row_bytes) is copied to slot
+ * slots[i] of its cache, a plain copy where torch's index_copy_ cost ~25-55 us per call.
+ * Returns -1, or the first i whose slot is outside [0, num_slots): then nothing is written. */
+int store_kv(const char* k, const char* v, char* k_cache, char* v_cache, const int64_t* slots,
+             int n, int row_bytes, int64_t num_slots) {
+  for (int i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return i;
+  for (int i = 0; i < n; ++i) {
+    memcpy(k_cache + slots[i] * row_bytes, k + (int64_t)i * row_bytes, row_bytes);
+    memcpy(v_cache + slots[i] * row_bytes, v + (int64_t)i * row_bytes, row_bytes);
+  }
+  return -1;
 }

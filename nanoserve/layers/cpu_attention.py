@@ -1,7 +1,8 @@
 """§5 on a CPU: decode attention that reads the paged KV cache in place (cpu_attention.c). The torch
 twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at 64 rows of 240
 tokens); this kernel reads each cached K/V row once, where it lies, one request per task, with the
-twin's signature and checks. Prefill chunks keep the twin (compute-bound)."""
+twin's signature and checks. Prefill chunks keep the twin (compute-bound). The cache write is one C
+copy too, where index_copy_ cost ~15-60 us per call."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                 or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
-        # The twin's checks, plus the ones that keep C from reading outside the cache.
+        # The twin's shape checks here; the lengths and block ids the kernel checks as it reads.
         torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                          flash_contract)
+                                          flash_contract, values=False)
         batch, _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         if v_cache.shape != k_cache.shape or k_cache.shape[-1] != head_dim:
@@ -35,16 +36,32 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                              f"and q's head_dim {head_dim} do not match")
         if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
             raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
-        lo, hi = block_table.aminmax()
-        if lo < 0 or hi >= num_blocks:
-            raise ValueError(f"block_table holds block ids outside [0, {num_blocks})")
         out = torch.empty_like(q)
         scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-        lib.paged_decode(
+        bad = lib.paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, block_table.shape[1], scale, q.dtype == torch.bfloat16)
+            block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16)
+        if bad >= 0:  # nothing was read; the twin's checks name what is wrong, else the ids are
+            torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens,
+                                              block_table, flash_contract)
+            raise ValueError(f"block_table row {bad} holds block ids outside [0, {num_blocks})")
         return out
 
+    def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+        if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+                and slot_mapping.dtype == torch.int64 and key.shape == value.shape
+                and slot_mapping.shape == key.shape[:1]
+                and key.shape[1:] == k_cache.shape[2:] and v_cache.shape == k_cache.shape
+                and all(t.is_contiguous() for t in (key, value, k_cache, v_cache, slot_mapping))):
+            return backend.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one token's K
+        bad = lib.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                           slot_mapping.data_ptr(), key.shape[0], row,
+                           k_cache.shape[0] * k_cache.shape[1])
+        if bad >= 0:
+            raise ValueError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the cache "
+                             f"(0 .. {k_cache.shape[0] * k_cache.shape[1] - 1})")
+
     return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",
-                               with_kvcache=flash_attn_with_kvcache)
+                               with_kvcache=flash_attn_with_kvcache, store_kvcache=store_kvcache)

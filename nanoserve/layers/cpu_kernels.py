@@ -23,8 +23,9 @@ HEADER = Path(__file__).with_name("cpu_kernels.h")  # what they share
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int
-ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 6 + [ctypes.c_float, _I],  # last: 1 if bf16
-            "linear": [_P] * 4 + [_I] * 4,  # last: 1 if bf16; the rest (cpu_fused.c): fp32 only
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I],  # last: 1 if bf16
+            "store_kv": [_P] * 5 + [_I] * 2 + [ctypes.c_int64],
+            "linear": [_P] * 5 + [_I] * 4,  # last: 1 if bf16; the rest (cpu_fused.c): fp32 only
             "rms_norm": [_P] * 3 + [_I] * 2 + [ctypes.c_float], "rotary": [_P] * 3 + [_I] * 3,
             "silu_mul": [_P] * 3 + [ctypes.c_int64], "argmax_rows": [_P] * 2 + [_I, ctypes.c_int64]}
 

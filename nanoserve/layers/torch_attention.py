@@ -90,8 +90,9 @@ def flash_attn_varlen_func(
 
 
 def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                      flash_contract) -> None:
-    """flash_attn_with_kvcache's contract, shared with cpu_attention.py's kernel."""
+                      flash_contract, values: bool = True) -> None:
+    """flash_attn_with_kvcache's contract, shared with cpu_attention.py's kernel (which checks
+    the lengths and block ids itself, `values=False`, unless it found one wrong)."""
     _require(k is None and v is None,
              "the torch twin reads K/V already in the cache; pass k=None, v=None")
     _require(block_table is not None and cache_seqlens is not None,
@@ -99,7 +100,7 @@ def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)
-    if cache_seqlens.device.type == "cpu":  # reading values elsewhere would sync the GPU
+    if values and cache_seqlens.device.type == "cpu":  # elsewhere: a GPU sync
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
             raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))
