@@ -49,19 +49,17 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
         return out
 
     def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
-        if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-                and slot_mapping.dtype == torch.int64 and key.shape == value.shape
-                and slot_mapping.shape == key.shape[:1]
-                and key.shape[1:] == k_cache.shape[2:] and v_cache.shape == k_cache.shape
-                and all(t.is_contiguous() for t in (key, value, k_cache, v_cache, slot_mapping))):
-            return backend.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-        row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one token's K
-        bad = lib.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                           slot_mapping.data_ptr(), key.shape[0], row,
-                           k_cache.shape[0] * k_cache.shape[1])
-        if bad >= 0:
-            raise ValueError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the cache "
-                             f"(0 .. {k_cache.shape[0] * k_cache.shape[1] - 1})")
+        tensors = (key, value, k_cache, v_cache, slot_mapping)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if (key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]
+                or v_cache.shape != k_cache.shape or slot_mapping.shape != key.shape[:1]
+                or slot_mapping.dtype != torch.int64 or len({t.dtype for t in tensors[:4]}) > 1
+                or not all(t.is_contiguous() for t in tensors)):
+            return backend.store_kvcache(*tensors)  # index_copy_ copes, or says what is wrong
+        row = k_cache.stride(1) * k_cache.element_size()  # bytes: one token's K, all KV heads
+        if (bad := lib.store_kv(*(t.data_ptr() for t in tensors), len(key), row, num_slots)) >= 0:
+            raise ValueError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the "
+                             f"cache's slots [0, {num_slots})")
 
     return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",
                                with_kvcache=flash_attn_with_kvcache, store_kvcache=store_kvcache)
