@@ -4,9 +4,9 @@ decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of
     python scripts/step_breakdown.py                      # float32, 1/16/64 rows
     python scripts/step_breakdown.py --dtype bfloat16 --rows 16
 
-"attention" = full step - step without attention; "GEMMs" = full step - step without GEMMs;
-"the rest" = the step with neither (norms, rotary, cache writes, sampling, Python). The no-op
-steps compute garbage; only their time is used.
+"attention" = full step - step without attention (the decode kernel and the C cache write);
+"GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
+residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
 """
 
 from __future__ import annotations
