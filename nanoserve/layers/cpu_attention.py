@@ -2,7 +2,7 @@
 twin gathers a copy of every decoding request's blocks per layer (~0.7 GB per step at 64 rows of 240
 tokens); this kernel reads each cached K/V row once, where it lies, one request per task, with the
 twin's signature and checks. Prefill chunks keep the twin (compute-bound). The cache write is one C
-copy too, where index_copy_ cost ~15-60 us per call."""
+copy too, where index_copy_ took ~14-60 us per call (1 to 64 rows)."""
 
 from __future__ import annotations
 

@@ -146,8 +146,9 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = (t.view(n, -1, self.head_dim)  # [n, heads, head_dim]
-                   for t in self.project(x, self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k, v = (t.view(n, self.num_kv_heads, self.head_dim) for t in (k, v))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
