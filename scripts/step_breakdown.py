@@ -20,15 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from step_times import decode_batch
+from step_times import decode_batch, make_runner
 
-from nanoserve.config import EngineConfig, resolve_config
-from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.layers import cpu_attention, cpu_kernels
 from nanoserve.layers.attention import select_backend
 from nanoserve.layers.cpu_linear import PackedLinear
-from nanoserve.models.loader import load_config
-from nanoserve.utils.bundled import default_model_dir
 
 
 def no_op_library(directory: str) -> ctypes.CDLL:
@@ -48,14 +44,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
+                    "default: 128 on a CPU)")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
-    lib, model_dir = cpu_kernels.compile_kernels(), default_model_dir()
+    lib = cpu_kernels.compile_kernels()
     if lib is None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
-    runner = ModelRunner(resolve_config(EngineConfig(
-        dtype=args.dtype, device="cpu", num_kv_blocks=max(rows_list) * 16 + 1, block_size=16),
-        load_config(model_dir)), model_dir)
+    runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
     twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -37,18 +38,31 @@ from nanoserve.utils.bundled import default_model_dir
 
 
 def decode_batch(runner: ModelRunner, rows: int, context: int):
-    """A SchedulerOutput in which `rows` requests each decode their token at `context`."""
+    """A SchedulerOutput in which `rows` requests each decode their token at `context`. Their
+    blocks interleave as serving leaves them (blocks are taken on demand, so requests that grow
+    together take turns): block j of request i is block j * rows + i."""
     bs = runner.block_size
     blocks = -(-(context + 1) // bs)
     reqs = []
     for i in range(rows):
         req = Request(f"r{i}", [(13 * i + j) % 5000 + 10 for j in range(context + 1)],
                       SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
-        req.block_table = list(range(i * blocks, (i + 1) * blocks))
+        req.block_table = [j * rows + i for j in range(blocks)]
         req.num_computed_tokens, req.status = context, RequestStatus.RUNNING
         reqs.append(req)
     return sched.SchedulerOutput(scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
                                  token_budget=rows)
+
+
+def make_runner(dtype: str, rows: int, context: int, block_size: int | None = None,
+                enforce_eager: bool = False) -> ModelRunner:
+    """A CPU runner with KV blocks for `rows` requests of `context` + 1 tokens (block_size None:
+    the engine's default)."""
+    model_dir = default_model_dir()
+    config = resolve_config(EngineConfig(dtype=dtype, device="cpu", block_size=block_size,
+                                         enforce_eager=enforce_eager), load_config(model_dir))
+    blocks = rows * -(-(context + 1) // config.block_size)
+    return ModelRunner(replace(config, num_kv_blocks=blocks), model_dir)
 
 
 def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
@@ -91,6 +105,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--context", type=int, default=240)
     ap.add_argument("--steps", type=int, default=15, help="timed steps per variant and size")
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
+                    "default: 128 on a CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time this thread's CPU time, not wall time (use with --threads 1)")
@@ -99,8 +115,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows_list = [int(r) for r in args.rows.split(",")]
-    blocks = max(rows_list) * -(-(args.context + 1) // 16) + 1
-    model_dir = default_model_dir()
     print(f"threads {torch.get_num_threads()}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
@@ -108,9 +122,7 @@ def main() -> None:
           "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
-        runners = {name: ModelRunner(resolve_config(EngineConfig(
-            dtype=dtype, device="cpu", num_kv_blocks=blocks, block_size=16, enforce_eager=eager),
-            load_config(model_dir)), model_dir)
+        runners = {name: make_runner(dtype, max(rows_list), args.context, args.block_size, eager)
                    for name, eager in (("eager", True), ("optimized", False))}
         params = sum(p.numel() for p in runners["eager"].model.parameters())
         gflops, gemm, gemm_flops = gemm_gflops(runners["eager"].dtype, clock)

@@ -107,7 +107,7 @@ def test_chunked_prefill(reference):
 
 
 def test_prefix_caching_hits(reference):
-    llm = LLM(enable_prefix_caching=True, dtype="float32")
+    llm = LLM(enable_prefix_caching=True, dtype="float32", block_size=16)  # a ~100-token prefix
     shared = reference["shared"]
     first = llm.generate(shared[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(shared[1:], GREEDY, use_tqdm=False)

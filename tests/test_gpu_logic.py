@@ -107,12 +107,14 @@ def test_kv_budget_counts_the_sink_block():
 
 
 def test_block_size_defaults_and_flash_attn_rule():
-    assert resolve_block_size("torch", None) == 16
-    assert resolve_block_size("torch", 7) == 7
-    assert resolve_block_size("flash-attn", None) == 256
-    assert resolve_block_size("flash-attn", 512) == 512
+    """vLLM's defaults: 128 on a CPU, 16 on CUDA; flash-attn's paged KV: multiples of 256."""
+    assert resolve_block_size("torch", None, "cpu") == 128
+    assert resolve_block_size("torch", None, "cuda:1") == 16
+    assert resolve_block_size("torch", 7, "cpu") == 7
+    assert resolve_block_size("flash-attn", None, "cuda") == 256
+    assert resolve_block_size("flash-attn", 512, "cuda") == 512
     with pytest.raises(ValueError, match="multiple of 256"):
-        resolve_block_size("flash-attn", 16)
+        resolve_block_size("flash-attn", 16, "cuda")
 
 
 def test_graph_ladder():
