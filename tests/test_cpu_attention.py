@@ -176,7 +176,7 @@ def test_optimized_engine_uses_the_kernel_and_decodes_like_the_eager_one():
     outs = {}
     for eager in (True, False):
         llm = LLM(tiny_model_dir(), dtype="float32", enforce_eager=eager, num_kv_blocks=64,
-                  skip_tokenizer_init=True)
+                  block_size=16, skip_tokenizer_init=True)  # several blocks per request
         assert llm.model_runner.backend.name == ("torch" if eager else "torch+cpu-decode")
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[True] == outs[False]
