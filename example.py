@@ -33,8 +33,11 @@ def main() -> None:
         open(args.trace_file, "w").close()  # the engine appends; start this run afresh
 
     # Small max_num_seqs and token budget so the trace shows requests waiting, joining
-    # mid-batch and prefills being chunked; the answers are the same with any settings.
-    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, trace=args.trace)
+    # mid-batch and prefills being chunked, and 16-token KV blocks (a CPU's default is vLLM's
+    # 128) so that blocks come and go every few steps and the chat template's shared system
+    # prompt fills one, a prefix-cache hit. The answers are the same with any settings.
+    llm = LLM(args.model, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+              trace=args.trace)
     if args.trace_file:
         llm.trace_to(args.trace_file, source="example")
     prompts = [
