@@ -145,6 +145,18 @@ def test_block_table_narrower_than_a_context_is_an_error():
         decode(args, block_table=narrow)
 
 
+def test_decode_needs_one_table_row_and_length_per_query_and_matching_caches():
+    """Else the twin would broadcast one length over every query, without a word."""
+    args = paged()
+    two = torch.tensor([20, 20], dtype=I32)
+    with pytest.raises(ValueError, match="one row per query"):
+        decode(args, cache_seqlens=two)
+    with pytest.raises(ValueError, match="one row per query"):
+        decode(args, block_table=args["block_table"].repeat(2, 1))
+    with pytest.raises(ValueError, match="do not match"):
+        decode(args, v_cache=args["v"][:3])
+
+
 def test_prefill_query_with_no_visible_key_is_an_error():
     """Causal, 5 queries over 3 keys: the first two see nothing (flash-attn: 0, twin: NaN)."""
     with pytest.raises(ValueError, match="no key"):

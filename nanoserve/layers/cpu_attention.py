@@ -26,16 +26,11 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                 or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
-        # The twin's shape checks here; the lengths and block ids the kernel checks as it reads.
+        # The twin's shape checks (all the kernel relies on); it checks lengths and ids itself.
         torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                           flash_contract, values=False)
         batch, _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        if v_cache.shape != k_cache.shape or k_cache.shape[-1] != head_dim:
-            raise ValueError(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
-                             f"and q's head_dim {head_dim} do not match")
-        if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
-            raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
         out = torch.empty_like(q)
         scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         bad = lib.paged_decode(

@@ -100,6 +100,12 @@ def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)
+    batch, head_dim = q.shape[0], q.shape[-1]
+    if v_cache.shape != k_cache.shape or k_cache.shape[-1] != head_dim:  # (no f-string per call)
+        raise ValueError(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
+                         f"and q's head_dim {head_dim} do not match")
+    if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
+        raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
     if values and cache_seqlens.device.type == "cpu":  # elsewhere: a GPU sync
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
