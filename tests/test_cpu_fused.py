@@ -1,5 +1,6 @@
 """The element-wise kernels (layers/cpu_fused.c) against decoder.py's and the sampler's torch,
-on shapes below and above the size at which they split over threads, and the runner's swap."""
+on shapes below and above the size at which they split over threads, in float32 and in bf16
+(where they round as torch's ops do), and the runner's swap."""
 
 from __future__ import annotations
 
@@ -17,37 +18,53 @@ from nanoserve.models.loader import load_config
 LIB = cpu_kernels.compile_kernels()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here")
 OPS = FusedOps(LIB) if LIB else None
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 
 
+def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 within 1e-5 (sums in another order); bf16 exactly, as both round the same floats,
+    but for rare values one bf16 step apart (a float32 sum's last bit moved across a rounding)
+    and ~1e-36 for 0 (silu of -200: e^-87, not e^-200)."""
+    assert got.dtype == expected.dtype
+    if got.dtype == torch.bfloat16:
+        assert ((got != expected) & (expected.abs() > 1e-30)).float().mean() < 1e-3
+        torch.testing.assert_close(got, expected, atol=1e-30, rtol=2**-7)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@DTYPES
 @pytest.mark.parametrize("rows, dim", [(1, 8), (3, 20), (64, 576)])
-def test_rms_norm(rows, dim):
+def test_rms_norm(rows, dim, dtype):
     torch.manual_seed(dim)
     norm = decoder.RMSNorm(dim, eps=1e-5)
     norm.weight.data.uniform_(0.5, 2.0)
-    x = torch.randn(rows, dim) * 3
+    norm, x = norm.to(dtype), (torch.randn(rows, dim) * 3).to(dtype)
     with torch.inference_mode():
-        torch.testing.assert_close(FusedRMSNorm(norm, LIB)(x), norm(x), atol=1e-5, rtol=1e-5)
+        assert_same(FusedRMSNorm(norm, LIB)(x), norm(x))
 
 
+@DTYPES
 @pytest.mark.parametrize("n, heads, head_dim", [(1, 2, 8), (5, 3, 6), (64, 9, 64)])
-def test_rotary_in_place(n, heads, head_dim):
+def test_rotary_in_place(n, heads, head_dim, dtype):
     torch.manual_seed(n)
     rope = decoder.RotaryEmbedding(head_dim, max_positions=512, base=10000.0)
-    cos, sin = rope(torch.randint(0, 512, (n,)), torch.float32)
-    x = torch.randn(n, heads, head_dim)
+    cos, sin = rope(torch.randint(0, 512, (n,)), dtype)
+    x = torch.randn(n, heads, head_dim).to(dtype)
     expected = decoder.apply_rotary(x, cos, sin)
     got = OPS.rotary(x, cos, sin)
     assert got.data_ptr() == x.data_ptr()  # in place
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert_same(got, expected)
 
 
+@DTYPES
 @pytest.mark.parametrize("shape", [(1, 7), (3, 100), (64, 1536)])
-def test_silu_and_mul(shape):
+def test_silu_and_mul(shape, dtype):
     torch.manual_seed(shape[1])
     gate, up = torch.randn(shape) * 10, torch.randn(shape)
     gate[0, 0], gate[-1, -1] = -200.0, 200.0  # e^200 would overflow; e^-200 must not
-    torch.testing.assert_close(OPS.silu_and_mul(gate, up), decoder.silu_and_mul(gate, up),
-                               atol=1e-5, rtol=1e-5)
+    gate, up = gate.to(dtype), up.to(dtype)
+    assert_same(OPS.silu_and_mul(gate, up), decoder.silu_and_mul(gate, up))
 
 
 @pytest.mark.parametrize("cols", [1, 7, 8, 9, 100, 49153])
@@ -64,7 +81,7 @@ def test_argmax_matches_torch_on_ties_infinities_and_nan(cols):
     assert OPS.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
-def test_runner_swaps_them_in_only_for_fp32_when_optimized():
+def test_runner_swaps_them_in_only_for_fp32_and_bf16_when_optimized():
     model_dir = tiny_model_dir()
 
     def runner(dtype, eager):
@@ -80,4 +97,5 @@ def test_runner_swaps_them_in_only_for_fp32_when_optimized():
 
     assert swapped(runner("float32", eager=False)) == [True] * 4
     assert swapped(runner("float32", eager=True)) == [False] * 4
-    assert swapped(runner("bfloat16", eager=False)) == [False] * 4
+    assert swapped(runner("bfloat16", eager=False)) == [True] * 4
+    assert swapped(runner("float16", eager=False)) == [False] * 4

@@ -91,7 +91,7 @@ class ModelRunner:
             pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
             if self.backend.name == "torch":  # decode reads the paged KV in place, no copies
                 self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
-            if self.dtype == torch.float32:  # each element-wise step in one pass, not 2-7 ops
+            if self.dtype in cpu_attention.DTYPES:  # each element-wise step: one pass, not 2-7 ops
                 self._use_fused_ops(cpu_fused.FusedOps(lib))
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()

@@ -8,6 +8,19 @@ static inline void prefetch_row(const void* cache, int64_t i, int row, int bf16)
   for (int byte = 0; byte < row * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(p + byte);
 }
 
+/* Token t's K (or V) row of all KV heads, as floats: in place in a float32 cache; a bf16 row
+ * is widened once into `tmp` for all its query heads, not once per query head (the bf16
+ * step: 0.9x at 64 rows). */
+static inline __attribute__((always_inline)) const float* row_floats(
+    const void* cache, int64_t offset, int row, const int bf16, float* tmp) {
+  if (!bf16) return (const float*)cache + offset;
+  for (int i = 0; i < row; i += 8) {
+    const vec8 v = load8(cache, offset + i, 1);
+    memcpy(tmp + i, &v, sizeof v);
+  }
+  return tmp;
+}
+
 /* ---- §5: decode attention ----
  * One query per request, over its first lens[b] cached tokens, found through its block
  * table. Each cached token's K (and V) row of all KV heads is read once, in place: no copy
@@ -52,15 +65,17 @@ static inline __attribute__((always_inline)) void decode_request(
   for (int i = 0; i < H * D; ++i) qf[i] = load(q, (int64_t)b * H * D + i, bf16) * scale;
   /* Both passes walk the cache token by token, each row front to back: reading a few
    * tokens at once, head slice by head slice, was 1.2-1.5x slower with a cold cache. */
+  float tmp[row];
   for (int t = 0; t < L; ++t) { /* scores = (q * scale) . k */
     if (t + AHEAD < L) prefetch_row(k_cache, offsets[t + AHEAD], row, bf16);
+    const float* k_row = row_floats(k_cache, offsets[t], row, bf16, tmp);
     for (int h = 0; h < H; ++h) {
-      const int64_t k = offsets[t] + (h / group) * D;
+      const float* k = k_row + (h / group) * D;
       vec8 s = {0};
       for (int d = 0; d < D; d += 8) {
         vec8 qd;
         memcpy(&qd, qf + h * D + d, sizeof qd);
-        s += qd * load8(k_cache, k + d, bf16);
+        s += qd * load8(k, d, 0);
       }
       scores[h * L + t] = sum8(s);
     }
@@ -77,13 +92,14 @@ static inline __attribute__((always_inline)) void decode_request(
   memset(acc, 0, sizeof(float) * H * D);
   for (int t = 0; t < L; ++t) { /* out = sum over keys of p . v */
     if (t + AHEAD < L) prefetch_row(v_cache, offsets[t + AHEAD], row, bf16);
+    const float* v_row = row_floats(v_cache, offsets[t], row, bf16, tmp);
     for (int h = 0; h < H; ++h) {
-      const int64_t v = offsets[t] + (h / group) * D;
+      const float* v = v_row + (h / group) * D;
       const float p = scores[h * L + t];
       for (int d = 0; d < D; d += 8) {
         vec8 a;
         memcpy(&a, acc + h * D + d, sizeof a);
-        a += p * load8(v_cache, v + d, bf16);
+        a += p * load8(v, d, 0);
         memcpy(acc + h * D + d, &a, sizeof a);
       }
     }

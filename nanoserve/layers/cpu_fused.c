@@ -1,50 +1,82 @@
 #include "cpu_kernels.h"
 
-/* ---- §4's element-wise steps, float32 ----
+/* ---- §4's element-wise steps, float32 or bfloat16 ----
  * Each is one call and one pass over its rows where torch runs 2-7 small ops, each with its
  * own pass over memory and its own start of the threads. The loops are plain arithmetic that
  * the compiler turns into vector code; work is split over threads only when it is large
- * enough to pay for waking them. */
+ * enough to pay for waking them. In bf16, `rounded` rounds where torch's bf16 ops round their
+ * results, so that the optimized path computes what the eager one does. */
 #define PARALLEL_ABOVE 16384 /* elements */
+/* Each loop below dispatches on bf16 inside its parallel region: a region is outlined into
+ * its own function before inlining, so a constant passed into it would arrive as a variable
+ * (and the loop would not become vector code: 9x slower, measured). */
 
-/* out = weight * (x / sqrt(mean(x^2) + eps)), row by row: HF's LlamaRMSNorm. */
-void rms_norm(const float* x, const float* weight, float* out, int rows, int dim, float eps) {
+/* out = weight * (x / sqrt(mean(x^2) + eps)) on one row: HF's LlamaRMSNorm. */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    const void* x, const void* weight, void* out, int64_t row, int dim, float eps,
+    const int bf16) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int i = 0; i < dim; ++i) sq += load(x, row + i, bf16) * load(x, row + i, bf16);
+  const float inv = 1.f / sqrtf(sq / dim + eps);
+  for (int i = 0; i < dim; ++i)
+    store(out, row + i, load(weight, i, bf16) * rounded(load(x, row + i, bf16) * inv, bf16),
+          bf16);
+}
+
+void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, float eps,
+              int bf16) {
 #pragma omp parallel for schedule(static) if ((int64_t)rows * dim > PARALLEL_ABOVE)
   for (int r = 0; r < rows; ++r) {
-    const float* xr = x + (int64_t)r * dim;
-    float sq = 0.f;
-#pragma omp simd reduction(+ : sq)
-    for (int i = 0; i < dim; ++i) sq += xr[i] * xr[i];
-    const float inv = 1.f / sqrtf(sq / dim + eps);
-    for (int i = 0; i < dim; ++i) out[(int64_t)r * dim + i] = weight[i] * (xr[i] * inv);
+    if (bf16) rms_norm_row(x, weight, out, (int64_t)r * dim, dim, eps, 1);
+    else rms_norm_row(x, weight, out, (int64_t)r * dim, dim, eps, 0);
   }
 }
 
-/* RoPE in place on x [n, heads, D], with cos and sin [n, D] (each token's position's row):
- * the halves (x1, x2) of every head become (x1 cos - x2 sin, x2 cos + x1 sin), as HF's
- * rotate_half computes. */
-void rotary(float* x, const float* cos, const float* sin, int n, int heads, int D) {
+/* RoPE in place on one head xh of x, with its token's cos and sin rows c: the halves (x1, x2)
+ * become (x1 cos - x2 sin, x2 cos + x1 sin), as HF's rotate_half computes. */
+static inline __attribute__((always_inline)) void rotary_head(
+    void* x, const void* cos, const void* sin, int64_t xh, int64_t c, int D, const int bf16) {
   const int half = D / 2;
+  for (int i = 0; i < half; ++i) {
+    const float x1 = load(x, xh + i, bf16), x2 = load(x, xh + i + half, bf16);
+    store(x, xh + i, rounded(x1 * load(cos, c + i, bf16), bf16) -
+                         rounded(x2 * load(sin, c + i, bf16), bf16), bf16);
+    store(x, xh + i + half, rounded(x2 * load(cos, c + i + half, bf16), bf16) +
+                                rounded(x1 * load(sin, c + i + half, bf16), bf16), bf16);
+  }
+}
+
+/* x [n, heads, D] in place; cos and sin [n, D]: each token's position's row. */
+void rotary(void* x, const void* cos, const void* sin, int n, int heads, int D, int bf16) {
 #pragma omp parallel for schedule(static) if ((int64_t)n * heads * D > PARALLEL_ABOVE)
   for (int t = 0; t < n; ++t)
     for (int h = 0; h < heads; ++h) {
-      float* xh = x + ((int64_t)t * heads + h) * D;
-      const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = xh[i], x2 = xh[i + half];
-        xh[i] = x1 * c[i] - x2 * s[i];
-        xh[i + half] = x2 * c[i + half] + x1 * s[i + half];
-      }
+      const int64_t xh = ((int64_t)t * heads + h) * D, c = (int64_t)t * D;
+      if (bf16) rotary_head(x, cos, sin, xh, c, D, 1);
+      else rotary_head(x, cos, sin, xh, c, D, 0);
     }
 }
 
-/* out = silu(gate) * up, where silu(g) = g / (1 + e^-g), computed from e^-|g| so that the
- * exponential never overflows. */
-void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > PARALLEL_ABOVE)
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i], e = exp_nonpositive(g < 0.f ? g : -g);
-    out[i] = g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * up[i];
+/* out = silu(gate) * up on elements [i0, i1), where silu(g) = g / (1 + e^-g), computed from
+ * e^-|g| so that the exponential never overflows. */
+static inline __attribute__((always_inline)) void silu_mul_range(
+    const void* gate, const void* up, void* out, int64_t i0, int64_t i1, const int bf16) {
+#pragma omp simd
+  for (int64_t i = i0; i < i1; ++i) {
+    const float g = load(gate, i, bf16), e = exp_nonpositive(g < 0.f ? g : -g);
+    store(out, i, rounded(g * ((g >= 0.f ? 1.f : e) / (1.f + e)), bf16) * load(up, i, bf16),
+          bf16);
+  }
+}
+
+void silu_mul(const void* gate, const void* up, void* out, int64_t n, int bf16) {
+  const int64_t chunk = 4096;
+#pragma omp parallel for schedule(static) if (n > PARALLEL_ABOVE)
+  for (int64_t i = 0; i < n; i += chunk) {
+    const int64_t end = i + chunk < n ? i + chunk : n;
+    if (bf16) silu_mul_range(gate, up, out, i, end, 1);
+    else silu_mul_range(gate, up, out, i, end, 0);
   }
 }
 

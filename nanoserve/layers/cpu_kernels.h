@@ -31,6 +31,14 @@ static inline void store(void* p, int64_t i, float x, int bf16) {
   ((uint16_t*)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* x as a bf16 op of torch's returns it (rounded to bf16), or x itself in float32. */
+static inline float rounded(float x, int bf16) {
+  uint16_t half;
+  if (!bf16) return x;
+  store(&half, 0, x, 1);
+  return load(&half, 0, 1);
+}
+
 /* Eight floats, one AVX register (a GCC/Clang vector extension: two SSE or NEON registers
  * elsewhere). Written out rather than left to the auto-vectorizer, which did not vectorize
  * these loops once they read through a block table. */

@@ -22,12 +22,12 @@ HEADER = Path(__file__).with_name("cpu_kernels.h")  # what they share
 # -march=native: this machine's vector width; -fopenmp: the work split over all cores;
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
-_P, _I = ctypes.c_void_p, ctypes.c_int
-ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I],  # last: 1 if bf16
-            "store_kv": [_P] * 5 + [_I] * 2 + [ctypes.c_int64],
-            "linear": [_P] * 5 + [_I] * 4,  # last: 1 if bf16; the rest (cpu_fused.c): fp32 only
-            "rms_norm": [_P] * 3 + [_I] * 2 + [ctypes.c_float], "rotary": [_P] * 3 + [_I] * 3,
-            "silu_mul": [_P] * 3 + [ctypes.c_int64], "argmax_rows": [_P] * 2 + [_I, ctypes.c_int64]}
+_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+# The last int of each but store_kv (bytes) and argmax_rows (float32 logits): 1 if bf16.
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
+            "linear": [_P] * 5 + [_I] * 4, "rms_norm": [_P] * 3 + [_I, _I, _F, _I],
+            "rotary": [_P] * 3 + [_I] * 4, "silu_mul": [_P] * 3 + [_I64, _I],
+            "argmax_rows": [_P] * 2 + [_I, _I64]}
 
 
 @functools.cache  # once per process

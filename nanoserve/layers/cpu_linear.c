@@ -11,7 +11,7 @@ static inline __attribute__((always_inline)) void gemm_k(
     const int ROWS, const int bf16) {
   const vec8 w0 = load8(w, panel + k * 16, bf16), w1 = load8(w, panel + k * 16 + 8, bf16);
   for (int i = 0; i < ROWS; ++i) {
-    const float xi = load(x, row[i] + k, bf16);
+    const float xi = ((const float*)x)[row[i] + k]; /* x: float32 here, see linear() */
     acc[i][0] += xi * w0;
     acc[i][1] += xi * w1;
   }
@@ -54,9 +54,13 @@ static inline __attribute__((always_inline)) void gemm_block(
  * constants in each call below. A lone decode row takes the 1-row block: the 6-row one would
  * multiply it six times. "guided" hands out runs of adjacent panels, shrinking at the end: a
  * core that a VM's host slows for a while is not waited for (static: 1.04x the fp32 step). */
-void linear(const void* x, const void* const* ws, const void* const* biases, void* const* ys,
+void linear(const void* x_in, const void* const* ws, const void* const* biases, void* const* ys,
             const int* ns, int count, int M, int K, int bf16) {
   const int passes = (M + 5) / 6;
+  /* bf16: x widened to float32 once here, not once per panel (0.81x the bf16 step at 64 rows). */
+  float* xf = bf16 ? malloc(sizeof(float) * M * K) : NULL;
+  for (int64_t i = 0; bf16 && i < (int64_t)M * K; ++i) xf[i] = load(x_in, i, 1);
+  const void* x = bf16 ? xf : x_in;
   int panels = 0;
   for (int i = 0; i < count; ++i) panels += ns[i] / 16;
 #pragma omp parallel for schedule(guided)
@@ -73,4 +77,5 @@ void linear(const void* x, const void* const* ws, const void* const* biases, voi
       else gemm_block(x, w, bias, y, M, N, K, p, m0, 6, 0, m0 / 6, passes);
     }
   }
+  free(xf);
 }
