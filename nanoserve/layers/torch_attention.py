@@ -32,16 +32,18 @@ def check_flash_attn_limits(dtype: torch.dtype, head_dim: int, page_size: int | 
 
 def _check_contract(qkv: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None],
                     paged: bool, flash_contract: bool) -> None:
+    # if/raise, not _require: its message would be formatted on every call, 30 per step.
     q, k, _ = qkv.values()
     for name, t in qkv.items():
-        _require(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")
-        _require(t.dtype == q.dtype,
-                 f"{name} has dtype {t.dtype}, q has {q.dtype}: they must match")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, q has {q.dtype}: they must match")
     for name, t in index.items():
-        if t is not None:
-            _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-    _require(q.shape[-2] % k.shape[-2] == 0,
-             f"num_kv_heads ({k.shape[-2]}) must divide num_heads ({q.shape[-2]})")
+        if t is not None and t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"num_kv_heads ({k.shape[-2]}) must divide num_heads ({q.shape[-2]})")
     if flash_contract:
         check_flash_attn_limits(q.dtype, q.shape[-1], k.shape[1] if paged else None)
 
@@ -112,7 +114,8 @@ def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))
         _require(hi <= block_table.shape[1] * k_cache.shape[1],
                  "block_table has too few columns for cache_seqlens")
-    _require(q.shape[1] == 1, f"the torch twin decodes one query per request, got {q.shape[1]}")
+    if q.shape[1] != 1:
+        raise ValueError(f"the torch twin decodes one query per request, got {q.shape[1]}")
 
 
 def flash_attn_with_kvcache(
