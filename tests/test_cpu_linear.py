@@ -25,14 +25,15 @@ def test_packed_linear_matches_linear(rows, bias):
 
 
 @needs_compiler
-def test_packed_linear_bf16_and_leading_dims():
+@pytest.mark.parametrize("leading", [(1,), (2, 3), (4, 5)])  # rows: 1, 6, 20 (panels widened)
+def test_packed_linear_bf16_and_leading_dims(leading):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True).requires_grad_(False).to(torch.bfloat16)
-    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    x = torch.randn(*leading, 64).to(torch.bfloat16)
     with torch.inference_mode():
         got = PackedLinear(linear, LIB)(x)
         expected = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)
-    assert got.shape == (2, 3, 48) and got.dtype == torch.bfloat16
+    assert got.shape == (*leading, 48) and got.dtype == torch.bfloat16
     # Both round one float32 sum to bf16; the sums differ only in their order.
     torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
 
