@@ -43,7 +43,8 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sa
          "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
          "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
          "nanoserve/layers/cpu_attention.c": ["tests/test_cpu_attention.py"],
-         "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"]}
+         "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"],
+         "nanoserve/layers/cpu_kernels.h": ["tests/test_cpu_fused.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -240,7 +241,7 @@ MUTANTS = [
            "each row samples from its own logits"),
     # -- the optimized CPU path's kernels compute what the reader's torch computes ----------
     Mutant("rope_sign_flipped", FUSED,
-           "xh[i] = x1 * c[i] - x2 * s[i];", "xh[i] = x1 * c[i] + x2 * s[i];",
+           "load(cos, c + i, bf16), bf16) -", "load(cos, c + i, bf16), bf16) +",
            "the C RoPE rotates the first half the wrong way",
            "the fused kernels equal decoder.py's torch"),
     Mutant("silu_sigmoid_swapped", FUSED,
@@ -267,10 +268,22 @@ MUTANTS = [
            "if (slots[i] < 0 || slots[i] >= num_slots) return i;", "if (slots[i] < 0) return i;",
            "the C cache write takes a slot past the cache",
            "a bad slot is a ValueError, never a write outside the cache"),
-    Mutant("fused_ops_in_bf16", RUNNER,
-           "if self.dtype == torch.float32:", "if True:",
-           "the float32-only kernels are swapped in for a bf16 model",
-           "bf16 keeps torch's element-wise steps (HF's rounding points)"),
+    Mutant("fused_ops_in_fp16", RUNNER,
+           "if self.dtype in cpu_attention.DTYPES:", "if True:",
+           "the float32/bf16 kernels are swapped in for a float16 model",
+           "the kernels read only the dtypes they were written for"),
+    Mutant("bf16_results_not_rounded", "nanoserve/layers/cpu_kernels.h",
+           "  if (!bf16) return x;", "  if (bf16 || !bf16) return x;",
+           "the bf16 element-wise kernels round once at the end, not where torch's ops round",
+           "the optimized path computes what the eager one does, in bf16 too"),
+    Mutant("gemm_widened_panel_is_panel_0", GEMM,
+           "wide[j] = load(w, panel + j, 1);", "wide[j] = load(w, j, 1);",
+           "the bf16 GEMM widens the first panel for every panel of a multi-pass call",
+           "§1: the packed GEMM equals nn.Linear"),
+    Mutant("attention_bf16_row_cut_short", ATTN,
+           "for (int i = 0; i < row; i += 8) {", "for (int i = 8; i < row; i += 8) {",
+           "the decode kernel widens a bf16 K/V row but its first 8 values",
+           "§5: the decode kernel equals naive attention"),
 ]
 
 
