@@ -317,8 +317,8 @@ def preload() -> None:
 def run_pytest(tree: Path, tests: list[str], extra: list[str], timeout: float
                ) -> tuple[str, str, float]:
     """Run pytest on `tree` in a forked child. Returns (outcome, first failing test,
-    seconds); outcome is "killed", "survived", "timeout" (counted as killed: a livelock is
-    caught) or "error"."""
+    seconds); outcome is "killed" (a failing test, or a crash), "survived", "timeout"
+    (counted as killed: a livelock is caught) or "error"."""
     log = tree / ".mutate-pytest.log"
     start = time.monotonic()
     pid = os.fork()
@@ -358,6 +358,9 @@ def run_pytest(tree: Path, tests: list[str], extra: list[str], timeout: float
         return "survived", "", seconds
     if failed:
         return "killed", failed[0], seconds
+    if returncode < 0 or "Fatal Python error" in output:  # a C mutant crashed the test run:
+        crash = re.findall(r"^Fatal Python error: (.*)$", output, re.MULTILINE)  # CI sees it
+        return "killed", f"(pytest crashed: {crash[0] if crash else -returncode})", seconds
     return "error", " / ".join(output.strip().splitlines()[-3:]), seconds
 
 
