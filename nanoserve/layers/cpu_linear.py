@@ -28,7 +28,8 @@ class PackedLinear(nn.Module):
         # What every call passes, read once here: a parameter's lookup through nn.Module costs
         # ~2 us, and a step makes ~120 calls with ~10 lookups each.
         self.n, self.k, self.dtype, self.gemm = n, k, linear.weight.dtype, lib.linear
-        self.pointers = self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr()
+        self.packed_ptr = self.packed.data_ptr()
+        self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linears(x, self)[0]
@@ -46,8 +47,8 @@ def packed_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
         rows = x.reshape(-1, first.k).to(first.dtype).contiguous()
     ys = [torch.empty(rows.shape[0], m.n, dtype=first.dtype) for m in linears]
     pointers = ctypes.c_void_p * count
-    first.gemm(rows.data_ptr(), pointers(*[m.pointers[0] for m in linears]),
-               pointers(*[m.pointers[1] for m in linears]), pointers(*[y.data_ptr() for y in ys]),
+    first.gemm(rows.data_ptr(), pointers(*[m.packed_ptr for m in linears]),
+               pointers(*[m.bias_ptr for m in linears]), pointers(*[y.data_ptr() for y in ys]),
                (ctypes.c_int * count)(*[m.n for m in linears]), count, rows.shape[0], first.k,
                first.dtype == torch.bfloat16)
     return ys if rows is x else [y.view(*x.shape[:-1], y.shape[1]) for y in ys]
