@@ -284,6 +284,10 @@ MUTANTS = [
            "for (int i = 0; i < row; i += 8) {", "for (int i = 8; i < row; i += 8) {",
            "the decode kernel widens a bf16 K/V row but its first 8 values",
            "§5: the decode kernel equals naive attention"),
+    Mutant("freed_buffers_returned_to_the_os", RUNNER,
+           "            cpu_kernels.keep_freed_memory()", "            pass",
+           "the optimized runner leaves glibc to page-fault each step's large buffers in again",
+           "the optimized path removes the costs it names"),
 ]
 
 

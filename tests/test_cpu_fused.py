@@ -4,6 +4,10 @@ on shapes below and above the size at which they split over threads, in float32 
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_model import tiny_model_dir
@@ -81,7 +85,7 @@ def test_argmax_matches_torch_on_ties_infinities_and_nan(cols):
     assert OPS.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
-def test_runner_swaps_them_in_only_for_fp32_and_bf16_when_optimized():
+def test_runner_swaps_them_in_only_for_fp32_and_bf16_when_optimized(monkeypatch):
     model_dir = tiny_model_dir()
 
     def runner(dtype, eager):
@@ -95,7 +99,35 @@ def test_runner_swaps_them_in_only_for_fp32_and_bf16_when_optimized():
                 layer.self_attn.rotary != decoder.apply_rotary,
                 isinstance(getattr(r.sampler.argmax, "__self__", None), FusedOps)]
 
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "keep_freed_memory", lambda: calls.append(1))
     assert swapped(runner("float32", eager=False)) == [True] * 4
+    assert calls == [1]  # the optimized path keeps freed buffers in the heap
     assert swapped(runner("float32", eager=True)) == [False] * 4
+    assert calls == [1]
     assert swapped(runner("bfloat16", eager=False)) == [True] * 4
     assert swapped(runner("float16", eager=False)) == [False] * 4
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"), reason="not glibc")
+def test_keep_freed_memory_stops_the_page_faults_of_reallocated_buffers():
+    """In a fresh process: a 16 MB buffer (the logits at ~80 rows), freed and allocated again,
+    is page-faulted in again by glibc's default, and not after keep_freed_memory()."""
+    script = """
+import resource, torch
+from nanoserve.layers import cpu_kernels
+
+def faults():
+    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+print(faults())
+cpu_kernels.keep_freed_memory()
+print(faults())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    default, kept = map(int, run.stdout.split())
+    assert default > 1000 and kept < 100  # 16 MB: 4,096 pages of 4 KB
