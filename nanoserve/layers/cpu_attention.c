@@ -21,6 +21,48 @@ static inline __attribute__((always_inline)) const float* row_floats(
   return tmp;
 }
 
+/* The K pass over tokens t .. t + T - 1 (T <= 4): scores[h][t + i] = (q * scale) . k. The T
+ * sums of a head are independent chains of multiply-adds, which the core overlaps; each
+ * token's sum is taken in the order it would be alone. */
+static inline __attribute__((always_inline)) void score_tokens(
+    const float* qf, const void* k_cache, const int64_t* offsets, int t, const int T, int L,
+    int H, int group, const int D, int row, const int bf16, float* tmp, float* scores) {
+  const float* k[4];
+  for (int i = 0; i < T; ++i) {
+    if (t + i + AHEAD < L) prefetch_row(k_cache, offsets[t + i + AHEAD], row, bf16);
+    k[i] = row_floats(k_cache, offsets[t + i], row, bf16, tmp + i * row);
+  }
+  for (int h = 0; h < H; ++h) {
+    vec8 s[4] = {{0}};
+    for (int d = 0; d < D; d += 8) {
+      vec8 qd;
+      memcpy(&qd, qf + h * D + d, sizeof qd);
+      for (int i = 0; i < T; ++i) s[i] += qd * load8(k[i] + (h / group) * D, d, 0);
+    }
+    for (int i = 0; i < T; ++i) scores[h * L + t + i] = sum8(s[i]);
+  }
+}
+
+/* The V pass over the same tokens: acc += p . v, token after token as alone, with one load
+ * and store of acc for the T of them. */
+static inline __attribute__((always_inline)) void weigh_tokens(
+    const float* scores, const void* v_cache, const int64_t* offsets, int t, const int T, int L,
+    int H, int group, const int D, int row, const int bf16, float* tmp, float* acc) {
+  const float* v[4];
+  for (int i = 0; i < T; ++i) {
+    if (t + i + AHEAD < L) prefetch_row(v_cache, offsets[t + i + AHEAD], row, bf16);
+    v[i] = row_floats(v_cache, offsets[t + i], row, bf16, tmp + i * row);
+  }
+  for (int h = 0; h < H; ++h) {
+    for (int d = 0; d < D; d += 8) {
+      vec8 a;
+      memcpy(&a, acc + h * D + d, sizeof a);
+      for (int i = 0; i < T; ++i) a += scores[h * L + t + i] * load8(v[i] + (h / group) * D, d, 0);
+      memcpy(acc + h * D + d, &a, sizeof a);
+    }
+  }
+}
+
 /* ---- §5: decode attention ----
  * One query per request, over its first lens[b] cached tokens, found through its block
  * table. Each cached token's K (and V) row of all KV heads is read once, in place: no copy
@@ -63,23 +105,16 @@ static inline __attribute__((always_inline)) void decode_request(
 
   float qf[H * D]; /* q * scale, widened */
   for (int i = 0; i < H * D; ++i) qf[i] = load(q, (int64_t)b * H * D + i, bf16) * scale;
-  /* Both passes walk the cache token by token, each row front to back: reading a few
-   * tokens at once, head slice by head slice, was 1.2-1.5x slower with a cold cache. */
-  float tmp[row];
-  for (int t = 0; t < L; ++t) { /* scores = (q * scale) . k */
-    if (t + AHEAD < L) prefetch_row(k_cache, offsets[t + AHEAD], row, bf16);
-    const float* k_row = row_floats(k_cache, offsets[t], row, bf16, tmp);
-    for (int h = 0; h < H; ++h) {
-      const float* k = k_row + (h / group) * D;
-      vec8 s = {0};
-      for (int d = 0; d < D; d += 8) {
-        vec8 qd;
-        memcpy(&qd, qf + h * D + d, sizeof qd);
-        s += qd * load8(k, d, 0);
-      }
-      scores[h * L + t] = sum8(s);
-    }
-  }
+  /* Both passes walk the cache T tokens at a time, each row front to back. bf16: T = 4, whose
+   * rows are widened first (kernel: 0.81-0.83x of one at a time). float32 rows are read in
+   * place, and 4 at a time was 1.1-1.9x slower with a cold cache: one at a time. */
+  const int T = bf16 ? 4 : 1;
+  float tmp[4 * row];
+  int t = 0;
+  for (; t + T <= L; t += T)
+    score_tokens(qf, k_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, scores);
+  for (; t < L; ++t) /* the last L % T */
+    score_tokens(qf, k_cache, offsets, t, 1, L, H, group, D, row, bf16, tmp, scores);
   for (int h = 0; h < H; ++h) { /* softmax over the L keys */
     float *sh = scores + h * L, m = -INFINITY, sum = 0.f;
     for (int t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
@@ -90,20 +125,10 @@ static inline __attribute__((always_inline)) void decode_request(
     for (int t = 0; t < L; ++t) sh[t] /= sum;
   }
   memset(acc, 0, sizeof(float) * H * D);
-  for (int t = 0; t < L; ++t) { /* out = sum over keys of p . v */
-    if (t + AHEAD < L) prefetch_row(v_cache, offsets[t + AHEAD], row, bf16);
-    const float* v_row = row_floats(v_cache, offsets[t], row, bf16, tmp);
-    for (int h = 0; h < H; ++h) {
-      const float* v = v_row + (h / group) * D;
-      const float p = scores[h * L + t];
-      for (int d = 0; d < D; d += 8) {
-        vec8 a;
-        memcpy(&a, acc + h * D + d, sizeof a);
-        a += p * load8(v, d, 0);
-        memcpy(acc + h * D + d, &a, sizeof a);
-      }
-    }
-  }
+  for (t = 0; t + T <= L; t += T) /* out = sum over keys of p . v */
+    weigh_tokens(scores, v_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, acc);
+  for (; t < L; ++t)
+    weigh_tokens(scores, v_cache, offsets, t, 1, L, H, group, D, row, bf16, tmp, acc);
   for (int i = 0; i < H * D; ++i) store(out, (int64_t)b * H * D + i, acc[i], bf16);
 }
 

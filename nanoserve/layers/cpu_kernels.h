@@ -59,8 +59,15 @@ static inline vec8 load8(const void* p, int64_t i, int bf16) {
   return v;
 }
 
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)), as 3 vector adds: written with scalars, the
+ * compiler took each lane out alone (decode kernel, hot cache: 0.91-0.94x). */
 static inline float sum8(vec8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+  const vec4 a =
+      __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const vec4 c = a + __builtin_shufflevector(a, a, 1, 0, 3, 2); /* lane 0: a0 + a1, 2: a2 + a3 */
+  return c[0] + c[2];
 }
 
 /* e^x for x <= 0 as 2^n * e^r, |r| <= ln2 / 2, with a degree-6 polynomial for e^r (Cephes'
