@@ -296,8 +296,8 @@ MUTANTS = [
            "§5: the decode kernel equals naive attention"),
     Mutant("freed_buffers_returned_to_the_os", RUNNER,
            "            cpu_kernels.keep_freed_memory()", "            pass",
-           "the optimized runner leaves glibc to page-fault each step's large buffers in again",
-           "the optimized path removes the costs it names"),
+           "the CPU runner leaves glibc to page-fault each step's large buffers in again",
+           "the runner removes the costs it names"),
 ]
 
 

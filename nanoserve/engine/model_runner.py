@@ -86,10 +86,11 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
         self.sampler = Sampler(config.seed)
+        if self.device.type == "cpu":  # eager too: no result changes, and its KV gathers fault most
+            cpu_kernels.keep_freed_memory()  # no page faults for each step's buffers
         if self.device.type == "cpu" and not config.enforce_eager and (
                 lib := cpu_kernels.compile_kernels()):
             pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
-            cpu_kernels.keep_freed_memory()  # no page faults for each step's buffers
             if self.backend.name == "torch":  # decode reads the paged KV in place, no copies
                 self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
             if self.dtype in cpu_attention.DTYPES:  # each element-wise step: one pass, not 2-7 ops

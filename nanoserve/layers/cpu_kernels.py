@@ -66,9 +66,10 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
 
 def keep_freed_memory() -> None:
     """Keep freed buffers of up to 32 MB in the heap (glibc only; vLLM's CPU docs preload tcmalloc
-    for this). glibc hands large ones (logits, the MLP's rows) back to the OS, and every step then
-    page-faults them in again: at 64 rows 600-1,200 faults and 6-8 ms of system time per step,
-    0-290 and 0.2-2 ms with this."""
+    for this). glibc hands large ones (logits, the MLP's rows, eager's KV gathers) back to the OS,
+    and every step page-faults them in again. Per step at 64 rows: optimized, 600-1,200 faults
+    and 6-8 ms of system time (0-290 and 0.2-2 ms with this); eager, 14,000-25,000 faults and
+    43-75 ms (0 and 2 ms). Every CPU runner calls it."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if hasattr(libc, "gnu_get_libc_version"):
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: allocate up to 32 MB from the heap...
