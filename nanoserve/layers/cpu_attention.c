@@ -21,6 +21,17 @@ static inline __attribute__((always_inline)) const float* row_floats(
   return tmp;
 }
 
+/* Tokens t .. t + T - 1's rows of one cache as floats (row_floats); each also asks for the
+ * row AHEAD tokens later. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const void* cache, const int64_t* offsets, int t, const int T, int L, int row, const int bf16,
+    float* tmp, const float* rows[4]) {
+  for (int i = 0; i < T; ++i) {
+    if (t + i + AHEAD < L) prefetch_row(cache, offsets[t + i + AHEAD], row, bf16);
+    rows[i] = row_floats(cache, offsets[t + i], row, bf16, tmp + i * row);
+  }
+}
+
 /* The K pass over tokens t .. t + T - 1 (T <= 4): scores[h][t + i] = (q * scale) . k. The T
  * sums of a head are independent chains of multiply-adds, which the core overlaps; each
  * token's sum is taken in the order it would be alone. */
@@ -28,10 +39,7 @@ static inline __attribute__((always_inline)) void score_tokens(
     const float* qf, const void* k_cache, const int64_t* offsets, int t, const int T, int L,
     int H, int group, const int D, int row, const int bf16, float* tmp, float* scores) {
   const float* k[4];
-  for (int i = 0; i < T; ++i) {
-    if (t + i + AHEAD < L) prefetch_row(k_cache, offsets[t + i + AHEAD], row, bf16);
-    k[i] = row_floats(k_cache, offsets[t + i], row, bf16, tmp + i * row);
-  }
+  tile_rows(k_cache, offsets, t, T, L, row, bf16, tmp, k);
   for (int h = 0; h < H; ++h) {
     vec8 s[4] = {{0}};
     for (int d = 0; d < D; d += 8) {
@@ -49,10 +57,7 @@ static inline __attribute__((always_inline)) void weigh_tokens(
     const float* scores, const void* v_cache, const int64_t* offsets, int t, const int T, int L,
     int H, int group, const int D, int row, const int bf16, float* tmp, float* acc) {
   const float* v[4];
-  for (int i = 0; i < T; ++i) {
-    if (t + i + AHEAD < L) prefetch_row(v_cache, offsets[t + i + AHEAD], row, bf16);
-    v[i] = row_floats(v_cache, offsets[t + i], row, bf16, tmp + i * row);
-  }
+  tile_rows(v_cache, offsets, t, T, L, row, bf16, tmp, v);
   for (int h = 0; h < H; ++h) {
     for (int d = 0; d < D; d += 8) {
       vec8 a;
