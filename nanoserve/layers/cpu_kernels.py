@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import hashlib
 import logging
@@ -70,7 +69,9 @@ def keep_freed_memory() -> None:
     and every step page-faults them in again. Per step at 64 rows: optimized, 600-1,200 faults
     and 6-8 ms of system time (0-290 and 0.2-2 ms with this); eager, 14,000-25,000 faults and
     43-75 ms (0 and 2 ms). Every CPU runner calls it."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if os.name != "posix":  # CDLL(None), the process's own symbols, exists on POSIX only
+        return
+    libc = ctypes.CDLL(None)  # the C library's symbols among them
     if hasattr(libc, "gnu_get_libc_version"):
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: allocate up to 32 MB from the heap...
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: ...and keep up to 256 MB of it when freed
