@@ -86,6 +86,8 @@ void linear(const void* x_in, const void* const* ws, const void* const* biases, 
       const int N = ns[i];
       const int64_t panel = (int64_t)p * K * 16;
       for (int64_t j = 0; wide && j < (int64_t)K * 16; ++j) wide[j] = load(w, panel + j, 1);
+      /* One branch per case, each passing ROWS and the dtypes as constants: gemm_block is
+       * inlined into each and compiled as its own loop, accumulators in registers. */
       for (int m0 = 0, pass = 0, rows; m0 < M; m0 += rows, ++pass) {
         rows = block_rows(M - m0);
         if (M == 1 && bf16) gemm_block(x, w, panel, bias, y, M, N, K, p, m0, 1, 1, 1, 0, 1);
