@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-cpus lint bench clean
 
 run: $(STAMP)
 	$(PY) example.py
@@ -10,6 +10,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The same suite as each kind of CPU would run it (the probe faked): dtype "auto" and the
+# kernel choice then follow that CPU. Every one must be green.
+test-cpus: $(STAMP)
+	for cpu in avx2 avx512_bf16 amx; do $(PY) -m pytest -q -p no:cacheprovider --cpu=$$cpu || exit 1; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

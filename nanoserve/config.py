@@ -12,8 +12,8 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoserve.layers.attention import ATTENTION_BACKENDS, select_backend
-from nanoserve.layers.cpu_linear import cpu_has_bf16_matmul
 from nanoserve.sampling_params import check_field, is_int
+from nanoserve.utils import cpu
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -73,7 +73,7 @@ class EngineConfig:
 def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") or cpu_has_bf16_matmul() else "float32"
+    return "bfloat16" if device.startswith("cuda") or cpu.has_native_bf16() else "float32"
 
 
 def resolve_block_size(backend_name: str, block_size: int | None, device: str) -> int:

@@ -8,6 +8,7 @@ from torch import nn
 from nanoserve import config
 from nanoserve.layers import cpu_kernels, cpu_linear
 from nanoserve.layers.cpu_linear import PackedLinear, pack_linears
+from nanoserve.utils import cpu
 
 LIB = cpu_kernels.compile_kernels()
 needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
@@ -70,9 +71,10 @@ def test_linears_of_one_input_as_one_gemm_call_compute_each_alone(rows):
 
 
 @needs_compiler
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_pack_linears_swaps_what_the_gemm_serves(monkeypatch, native_bf16):
-    monkeypatch.setattr(cpu_linear, "cpu_has_bf16_matmul", lambda: native_bf16)
+@pytest.mark.parametrize("kind", ["avx2", "avx512_bf16", "amx"])
+def test_pack_linears_swaps_what_the_gemm_serves(fake_cpu, kind):
+    fake_cpu(kind)
+    native_bf16 = kind != "avx2"
     fp32 = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 32)),
                          nn.Linear(32, 20))  # 20 outputs: not a multiple of 16
     pack_linears(fp32, LIB)
@@ -83,10 +85,14 @@ def test_pack_linears_swaps_what_the_gemm_serves(monkeypatch, native_bf16):
     assert isinstance(bf16[0], nn.Linear if native_bf16 else PackedLinear)
 
 
-@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_auto_dtype_on_cpu(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(config, "cpu_has_bf16_matmul", lambda: native_bf16)
+@pytest.mark.parametrize("kind, expected", [("avx2", "float32"), ("avx512_bf16", "bfloat16"),
+                                            ("amx", "bfloat16")])
+def test_auto_dtype_on_cpu(fake_cpu, kind, expected):
+    fake_cpu(kind)
     assert config.resolve_dtype("auto", "cpu") == expected
     assert config.resolve_dtype("float32", "cpu") == "float32"
     assert config.resolve_dtype("auto", "cuda") == "bfloat16"
-    assert isinstance(cpu_linear.cpu_has_bf16_matmul(), bool)
+
+
+def test_the_real_probe_answers():
+    assert isinstance(cpu.has_native_bf16(), bool) and "cores" in cpu.describe()

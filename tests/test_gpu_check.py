@@ -57,26 +57,19 @@ def test_kernel_check_fails_a_kernel_that_reads_an_unused_block():
     assert not any(ok for *_, ok in rows)
 
 
-@pytest.fixture
-def cpu_graphs(monkeypatch):
+@pytest.fixture(params=["float32", "bfloat16"])
+def cpu_graphs(monkeypatch, request):
     """An LLM on CPU with a CUDAGraphRunner whose 'graphs' recompute eagerly (see
-    test_gpu_logic.ReplayEagerly): the plumbing around capture is real."""
-    from test_gpu_logic import ReplayEagerly
+    test_gpu_logic.capture_stand_in): the plumbing around capture is real."""
+    from test_gpu_logic import capture_stand_in
     from tiny_model import tiny_model_dir
 
     from nanoserve import LLM
     from nanoserve.engine.cuda_graph import CUDAGraphRunner
 
-    def capture_stand_in(self: CUDAGraphRunner) -> None:
-        self.slot_mapping.fill_(self.padding_block * self.block_size)
-        self.block_tables.fill_(self.padding_block)
-        for bs in self.sizes:
-            self.outputs[bs] = torch.empty(bs, self.model.config.hidden_size)
-            self.graphs[bs] = ReplayEagerly(self, bs)
-
     monkeypatch.setattr(CUDAGraphRunner, "_capture_all", capture_stand_in)
     llm = LLM(tiny_model_dir(), num_kv_blocks=64, max_num_seqs=8, max_model_len=1024,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, dtype=request.param)
     runner = llm.model_runner
     runner.graphs = CUDAGraphRunner(runner.model, 8, runner.max_blocks_per_seq,
                                     padding_block=runner.num_kv_blocks,

@@ -160,25 +160,29 @@ class ReplayEagerly:
         g.outputs[bs].copy_(g.model(g.input_ids[:bs], g.positions[:bs], g._meta(bs)))
 
 
-def test_graph_runner_plumbing_matches_eager_on_cpu(monkeypatch):
+def capture_stand_in(self: CUDAGraphRunner) -> None:
+    """CUDAGraphRunner._capture_all on CPU: the same static buffers, eager 'graphs'; the
+    outputs in the model's dtype, as a captured forward leaves them."""
+    self.slot_mapping.fill_(self.padding_block * self.block_size)
+    self.block_tables.fill_(self.padding_block)
+    dtype = next(self.model.parameters()).dtype
+    for bs in self.sizes:
+        self.outputs[bs] = torch.empty(bs, self.model.config.hidden_size, dtype=dtype)
+        self.graphs[bs] = ReplayEagerly(self, bs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_runner_plumbing_matches_eager_on_cpu(monkeypatch, dtype):
     from tiny_model import tiny_model_dir
 
     from nanoserve import LLM, SamplingParams
-
-    def capture_stand_in(self: CUDAGraphRunner) -> None:
-        self.slot_mapping.fill_(self.padding_block * self.block_size)
-        self.block_tables.fill_(self.padding_block)
-        hidden = self.model.config.hidden_size
-        for bs in self.sizes:
-            self.outputs[bs] = torch.empty(bs, hidden)
-            self.graphs[bs] = ReplayEagerly(self, bs)
 
     monkeypatch.setattr(CUDAGraphRunner, "_capture_all", capture_stand_in)
     prompts = [[5 + i] * (3 + 4 * i) for i in range(7)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     results = []
     for use_graphs in (False, True):
-        llm = LLM(tiny_model_dir(), num_kv_blocks=24, block_size=4, max_num_seqs=5)
+        llm = LLM(tiny_model_dir(), num_kv_blocks=24, block_size=4, max_num_seqs=5, dtype=dtype)
         runner = llm.model_runner
         if use_graphs:  # on CPU the engine never builds one; attach it by hand
             runner.graphs = CUDAGraphRunner(runner.model, 5, runner.max_blocks_per_seq,

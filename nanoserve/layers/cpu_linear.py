@@ -11,10 +11,7 @@ import ctypes
 import torch
 from torch import nn
 
-
-def cpu_has_bf16_matmul() -> bool:
-    """Native bf16 (AMX or AVX512-BF16, vLLM's CPU check); else emulated, slower than fp32."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+from nanoserve.utils import cpu
 
 
 class PackedLinear(nn.Module):
@@ -55,7 +52,7 @@ def packed_linears(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
 
 
 def pack_linears(model: nn.Module, lib: ctypes.CDLL) -> None:
-    dtypes = {torch.float32} if cpu_has_bf16_matmul() else {torch.float32, torch.bfloat16}
+    dtypes = {torch.float32} if cpu.has_native_bf16() else {torch.float32, torch.bfloat16}
     for module in list(model.modules()):
         for name, child in module.named_children():
             if (isinstance(child, nn.Linear) and child.weight.dtype in dtypes
