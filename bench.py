@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timeline picture (default bench_results/<workload>.png)")
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="write the nanoserve systems' steps to DIR/<workload>.jsonl (one run "
-                        "each); view: python scripts/trace_page.py DIR/<workload>.jsonl")
+                        "each); view: python scripts/reader/trace_page.py DIR/<workload>.jsonl")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     if report.draw_png(results, png, f"{wl.name}: {wl.description}"):
         print(f"wrote {png}")
     if trace:
-        print(f"wrote {trace} (a page: python scripts/trace_page.py {trace})")
+        print(f"wrote {trace} (a page: python scripts/reader/trace_page.py {trace})")
     return results
 
 

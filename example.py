@@ -2,7 +2,7 @@
 continuously. Run `python example.py --trace` to see one line per engine step: requests
 joining mid-batch, prefill chunks sharing steps with decodes, and requests leaving as
 soon as they finish (chapter §3–§4). `--trace-file run.jsonl` records the same steps;
-`python scripts/trace_page.py run.jsonl` turns them into a page to explore."""
+`python scripts/reader/trace_page.py run.jsonl` turns them into a page to explore."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--trace", action="store_true", help="print one line per step")
     parser.add_argument("--trace-file", default=None, help="write every step as JSON lines "
-                        "(overwritten); view it: python scripts/trace_page.py FILE")
+                        "(overwritten); view it: python scripts/reader/trace_page.py FILE")
     args = parser.parse_args()
     if args.trace_file:
         open(args.trace_file, "w").close()  # the engine appends; start this run afresh

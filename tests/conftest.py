@@ -5,7 +5,7 @@
 with each (`make test-cpus`). Tests that need one dtype pin it; the `fake_cpu` fixture fakes one
 machine inside a test. The header names the real CPU and the fake.
 
-Hypothesis profiles: `NANOSERVE_HYPOTHESIS_PROFILE=mutate` (set by scripts/mutate.py) makes the
+Hypothesis profiles: `NANOSERVE_HYPOTHESIS_PROFILE=mutate` (set by scripts/dev/mutate.py) makes the
 property tests derandomized and database-free, so a mutant is killed or survives the same way on
 every run; the default profile stays random, to keep finding new cases."""
 

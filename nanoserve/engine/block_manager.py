@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from nanoserve.engine.sequence import Request
+from nanoserve.engine.request import Request
 
 
 @dataclass

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
-from nanoserve.engine.sequence import Request
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams, as_token_id, is_int
 from nanoserve.trace import Tracer

@@ -7,19 +7,17 @@ decodes (one new token each, then static batching's idle rows), then prefill chu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import torch
 
 from nanoserve.config import DTYPES, EngineConfig
-from nanoserve.engine.cuda_graph import CUDAGraphRunner
+from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from nanoserve.engine.sequence import Request
-from nanoserve.layers import cpu_attention, cpu_fused, cpu_kernels
 from nanoserve.layers.attention import AttentionMetadata, select_backend
-from nanoserve.layers.cpu_linear import pack_linears
 from nanoserve.layers.sampler import Sampler
-from nanoserve.models.decoder import DecoderAttention, GatedMLP, RMSNorm
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
 
@@ -76,6 +74,12 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
                        meta, sample_indices, sample_requests)
 
 
+def fast_paths() -> list[Callable[[ModelRunner], None]]:
+    """The optional fast paths (nanoserve/accel/ ships one), found as vLLM finds its plugins, by
+    entry point: the chapter core imports none of them. `enforce_eager=True` skips them all."""
+    return [ep.load() for ep in entry_points(group="nanoserve.fast_paths")]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         """`config` is resolved (resolve_config): no "auto" or None is left in it."""
@@ -86,33 +90,12 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
         self.attn_layers = self.model.attention_layers()
         self.sampler = Sampler(config.seed)
-        if self.device.type == "cpu":  # eager too: no result changes, and its KV gathers fault most
-            cpu_kernels.keep_freed_memory()  # no page faults for each step's buffers
-        if self.device.type == "cpu" and not config.enforce_eager and (
-                lib := cpu_kernels.compile_kernels()):
-            pack_linears(self.model, lib)  # GEMMs that stream weights laid out for them
-            if self.backend.name == "torch":  # decode reads the paged KV in place, no copies
-                self.backend = cpu_attention.with_decode_kernel(self.backend, lib)
-            if self.dtype in cpu_attention.DTYPES:  # each element-wise step: one pass, not 2-7 ops
-                self._use_fused_ops(cpu_fused.FusedOps(lib))
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        self.graphs: CUDAGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
-                                          self.num_kv_blocks, self.block_size)  # padding block
-
-    def _use_fused_ops(self, ops: cpu_fused.FusedOps) -> None:
-        for module in list(self.model.modules()):
-            for name, child in module.named_children():
-                if isinstance(child, RMSNorm):
-                    setattr(module, name, cpu_fused.FusedRMSNorm(child, ops.lib))
-            if isinstance(module, GatedMLP):
-                module.act_and_mul = ops.silu_and_mul
-            if isinstance(module, DecoderAttention):
-                module.rotary = ops.rotary
-        self.sampler.argmax = ops.argmax
+        if not config.enforce_eager:
+            for optimize in fast_paths():  # may swap modules of self.model, or the model itself
+                optimize(self)
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]  # K and V of block_size tokens, in every layer
@@ -167,10 +150,7 @@ class ModelRunner:
         """Run the step; return each sampling request's token (or the sampler's error)."""
         inputs = prepare_inputs(out, self.block_size, self.device)
         meta = inputs.attn_metadata
-        if self.graphs is not None and meta.num_prefill_tokens == 0 and self.graphs.can_run(meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, meta)
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.engine.sequence import Request
+from nanoserve.engine.request import Request
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.sequence import FinishReason, Request, RequestStatus
+from nanoserve.engine.request import FinishReason, Request, RequestStatus
 from nanoserve.engine.waiting_queue import FCFSQueue, PriorityQueue
 
 

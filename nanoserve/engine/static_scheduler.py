@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.sequence import Request
 
 
 class StaticScheduler(Scheduler):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
-from nanoserve.engine.sequence import Request
+from nanoserve.engine.request import Request
 
 
 class FCFSQueue:

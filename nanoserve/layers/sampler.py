@@ -7,8 +7,6 @@ finite probability) gets an error message instead of a token: only its request f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from nanoserve.sampling_params import SamplingParams
@@ -17,13 +15,12 @@ from nanoserve.sampling_params import SamplingParams
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
-        self.argmax = functools.partial(torch.argmax, dim=-1)  # cpu_fused.py's, when optimized
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int | str]:
         """logits [rows, vocab], a params and generator (or None) per row -> token or error str."""
         logits = logits.float()
-        greedy = self.argmax(logits).unsqueeze(1)
+        greedy = logits.argmax(dim=-1, keepdim=True)
         # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
         nan_rows = logits.gather(1, greedy).isnan().flatten().tolist()
         token_ids: list[int | str] = ["sampling failed: the logits contain NaN" if nan else t

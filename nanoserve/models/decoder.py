@@ -67,26 +67,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
-    """x through each of several linears (q, k, v; gate, up); cpu_linear.py: one GEMM call."""
-    return [linear(x) for linear in linears]
-
-
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_and_mul = silu_and_mul  # the optimized CPU path: cpu_fused.py's kernel
-        self.project = project
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(*self.project(x, self.gate_proj, self.up_proj)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class RotaryEmbedding(nn.Module):
@@ -141,17 +130,16 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5)
-        self.rotary, self.project = apply_rotary, project  # the optimized CPU path: C kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.project(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k, v = (t.view(n, self.num_kv_heads, self.head_dim) for t in (k, v))
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 

@@ -1,0 +1,38 @@
+"""The fast paths, one folder the reader can skip: nothing in the chapter core imports it. The core
+finds `optimize` as vLLM finds its plugins, through an entry-point group (`nanoserve.fast_paths`
+in pyproject.toml), and calls it once the model and KV cache exist, unless `enforce_eager=True`.
+It is the only place anything is swapped in, and it swaps whole modules:
+  - CPU: every nn.Linear becomes a packed GEMM (linear.py: oneDNN or csrc/linear.c, by CPU),
+    decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention.c),
+    and freed buffers stay in the heap (kernels.keep_freed_memory, process-wide);
+  - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).
+The results equal the plain path's (tests/accel/)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nanoserve.accel import kernels
+from nanoserve.accel.cuda_graph import CUDAGraphRunner
+from nanoserve.accel.linear import replace_linears
+from nanoserve.accel.paged_attention import with_decode_kernel
+
+if TYPE_CHECKING:
+    from nanoserve.engine.model_runner import ModelRunner
+
+
+def optimize(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        runner.model = CUDAGraphRunner(runner.model, runner.config.max_num_seqs,
+                                       runner.max_blocks_per_seq, runner.num_kv_blocks,
+                                       runner.block_size)  # the padding block: the sink
+        return
+    if runner.device.type != "cpu":
+        return
+    kernels.keep_freed_memory()  # no page faults for each step's buffers
+    lib = kernels.compile_kernels()
+    replace_linears(runner.model, lib)
+    if lib is not None and runner.backend.name == "torch":
+        runner.backend = with_decode_kernel(runner.backend, lib)
+        for attn in runner.attn_layers:  # the same cache, now read by the kernel
+            attn.bind(attn.k_cache, attn.v_cache, runner.backend)

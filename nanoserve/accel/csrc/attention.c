@@ -1,0 +1,198 @@
+#include "kernels.h"
+
+/* Ask for a token's row a few tokens ahead: rows of consecutive blocks are not adjacent in
+ * memory, so the CPU's own prefetcher stalls at every block edge. */
+#define AHEAD 4
+static inline void prefetch_row(const void* cache, int64_t i, int row, int bf16) {
+  const char* p = (const char*)cache + i * (bf16 ? 2 : 4);
+  for (int byte = 0; byte < row * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(p + byte);
+}
+
+/* Token t's K (or V) row of all KV heads, as floats: in place in a float32 cache; a bf16 row
+ * is widened once into `tmp` for all its query heads, not once per query head. */
+static inline __attribute__((always_inline)) const float* row_floats(
+    const void* cache, int64_t offset, int row, const int bf16, float* tmp) {
+  if (!bf16) return (const float*)cache + offset;
+  for (int i = 0; i < row; i += 8) {
+    const vec8 v = load8(cache, offset + i, 1);
+    memcpy(tmp + i, &v, sizeof v);
+  }
+  return tmp;
+}
+
+/* Tokens t .. t + T - 1's rows of one cache as floats (row_floats); each also asks for the
+ * row AHEAD tokens later. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const void* cache, const int64_t* offsets, int t, const int T, int L, int row, const int bf16,
+    float* tmp, const float* rows[4]) {
+  for (int i = 0; i < T; ++i) {
+    if (t + i + AHEAD < L) prefetch_row(cache, offsets[t + i + AHEAD], row, bf16);
+    rows[i] = row_floats(cache, offsets[t + i], row, bf16, tmp + i * row);
+  }
+}
+
+/* The K pass over tokens t .. t + T - 1 (T <= 4): scores[h][t + i] = (q * scale) . k. The T
+ * sums of a head are independent chains of multiply-adds, which the core overlaps; each
+ * token's sum is taken in the order it would be alone. */
+static inline __attribute__((always_inline)) void score_tokens(
+    const float* qf, const void* k_cache, const int64_t* offsets, int t, const int T, int L,
+    int H, int group, const int D, int row, const int bf16, float* tmp, float* scores) {
+  const float* k[4];
+  tile_rows(k_cache, offsets, t, T, L, row, bf16, tmp, k);
+  for (int h = 0; h < H; ++h) {
+    vec8 s[4] = {{0}};
+    for (int d = 0; d < D; d += 8) {
+      vec8 qd;
+      memcpy(&qd, qf + h * D + d, sizeof qd);
+      for (int i = 0; i < T; ++i) s[i] += qd * load8(k[i] + (h / group) * D, d, 0);
+    }
+    for (int i = 0; i < T; ++i) scores[h * L + t + i] = sum8(s[i]);
+  }
+}
+
+/* The V pass over the same tokens: acc += p . v, token after token as alone, with one load
+ * and store of acc for the T of them. */
+static inline __attribute__((always_inline)) void weigh_tokens(
+    const float* scores, const void* v_cache, const int64_t* offsets, int t, const int T, int L,
+    int H, int group, const int D, int row, const int bf16, float* tmp, float* acc) {
+  const float* v[4];
+  tile_rows(v_cache, offsets, t, T, L, row, bf16, tmp, v);
+  for (int h = 0; h < H; ++h) {
+    for (int d = 0; d < D; d += 8) {
+      vec8 a;
+      memcpy(&a, acc + h * D + d, sizeof a);
+      for (int i = 0; i < T; ++i) a += scores[h * L + t + i] * load8(v[i] + (h / group) * D, d, 0);
+      memcpy(acc + h * D + d, &a, sizeof a);
+    }
+  }
+}
+
+/* ---- §5: decode attention ----
+ * One query per request, over its first lens[b] cached tokens, found through its block
+ * table. Each cached token's K (and V) row of all KV heads is read once, in place: no copy
+ * of the request's blocks is gathered first. The torch twin's arithmetic: scores, softmax,
+ * weighted sum of V.
+ * Layouts: q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D], D a multiple of 8;
+ * block_table [B, W] and lens [B] int32. Query head h reads KV head h / (H / Hkv) (GQA).
+ * The caller (paged_attention.py) has checked the shapes; paged_decode checks the values.
+ */
+
+/* A thread's buffers, grown as needed: scores [H, L], each token's row offset [L] and the
+ * output being summed [H, D]. */
+struct scratch {
+  float *scores, *acc;
+  int64_t* offsets;
+  int capacity;
+};
+
+/* Request b. Always inlined: `D` and `bf16` are then constants in each call below, and the
+ * compiler unrolls the head-sized loops into vector instructions. */
+static inline __attribute__((always_inline)) void decode_request(
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table,
+    const int32_t* lens, void* out, int H, int Hkv, const int D, int block_size, int W,
+    float scale, const int bf16, int b, struct scratch* buf) {
+  const int group = H / Hkv, row = Hkv * D; /* row: one token's K (or V), all KV heads */
+  const int L = lens[b];
+  if (L > buf->capacity) {
+    free(buf->scores);
+    free(buf->offsets);
+    buf->capacity = L;
+    buf->scores = malloc(sizeof(float) * H * L);
+    buf->offsets = malloc(sizeof(int64_t) * L);
+  }
+  if (!buf->acc) buf->acc = malloc(sizeof(float) * H * D);
+  float *scores = buf->scores, *acc = buf->acc;
+  int64_t* offsets = buf->offsets;
+  const int32_t* blocks = block_table + (int64_t)b * W;
+  for (int t = 0; t < L; ++t) /* where token t's row starts in either cache */
+    offsets[t] = ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row;
+
+  float qf[H * D]; /* q * scale, widened */
+  for (int i = 0; i < H * D; ++i) qf[i] = load(q, (int64_t)b * H * D + i, bf16) * scale;
+  /* Both passes walk the cache T tokens at a time, each row front to back. bf16: T = 4, whose
+   * rows are widened first, and their sums overlap. float32 rows are read in place, one at a
+   * time: 4 at a time measured slower with a cold cache. */
+  const int T = bf16 ? 4 : 1;
+  float tmp[4 * row];
+  int t = 0;
+  for (; t + T <= L; t += T)
+    score_tokens(qf, k_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, scores);
+  for (; t < L; ++t) /* the last L % T */
+    score_tokens(qf, k_cache, offsets, t, 1, L, H, group, D, row, bf16, tmp, scores);
+  for (int h = 0; h < H; ++h) { /* softmax over the L keys */
+    float *sh = scores + h * L, m = -INFINITY, sum = 0.f;
+    for (int t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+#pragma omp simd
+    for (int t = 0; t < L; ++t) sh[t] = exp_nonpositive(sh[t] - m);
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < L; ++t) sum += sh[t];
+    for (int t = 0; t < L; ++t) sh[t] /= sum;
+  }
+  memset(acc, 0, sizeof(float) * H * D);
+  for (t = 0; t + T <= L; t += T) /* out = sum over keys of p . v */
+    weigh_tokens(scores, v_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, acc);
+  for (; t < L; ++t)
+    weigh_tokens(scores, v_cache, offsets, t, 1, L, H, group, D, row, bf16, tmp, acc);
+  for (int i = 0; i < H * D; ++i) store(out, (int64_t)b * H * D + i, acc[i], bf16);
+}
+
+#define ARGS                                                                               \
+  const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table,     \
+      const int32_t *lens, void *out, int B, int H, int Hkv, int D, int block_size, int W, \
+      int num_blocks, float scale
+#define PASS(d, bf16) \
+  q, k_cache, v_cache, block_table, lens, out, H, Hkv, d, block_size, W, scale, bf16
+
+/* The first request whose length is not in [1, W * block_size] or that would read a block
+ * outside [0, num_blocks), or -1. Checked here, where it costs a loop over the table: as
+ * torch ops it was 2 reductions, 4 comparisons and 4 reads back per layer (~6% of a 1-row
+ * step). */
+static int first_bad_request(const int32_t* block_table, const int32_t* lens, int B, int W,
+                             int block_size, int num_blocks) {
+  for (int b = 0; b < B; ++b) {
+    if (lens[b] < 1 || lens[b] > W * block_size) return b;
+    for (int j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int32_t id = block_table[(int64_t)b * W + j];
+      if (id < 0 || id >= num_blocks) return b;
+    }
+  }
+  return -1;
+}
+
+/* One request per task. Each (head size, dtype) below gets its own copy of decode_request,
+ * with those two as constants: 64 and 128 unrolled, any other multiple of 8 generic.
+ * Returns -1, or a request whose values first_bad_request refuses: then nothing is read. */
+int paged_decode(ARGS, int bf16) {
+  const int bad = first_bad_request(block_table, lens, B, W, block_size, num_blocks);
+  if (bad >= 0) return bad;
+#pragma omp parallel
+  {
+    struct scratch buf = {0};
+#pragma omp for schedule(dynamic, 1)
+    for (int b = 0; b < B; ++b) {
+      if (D == 64 && bf16) decode_request(PASS(64, 1), b, &buf);
+      else if (D == 64) decode_request(PASS(64, 0), b, &buf);
+      else if (D == 128 && bf16) decode_request(PASS(128, 1), b, &buf);
+      else if (D == 128) decode_request(PASS(128, 0), b, &buf);
+      else if (bf16) decode_request(PASS(D, 1), b, &buf);
+      else decode_request(PASS(D, 0), b, &buf);
+    }
+    free(buf.scores), free(buf.offsets), free(buf.acc);
+  }
+  return -1;
+}
+
+/* ---- §5: this step's K and V into their cache slots ----
+ * Row i of k and of v (one token's K or V, all KV heads: row_bytes) is copied to slot
+ * slots[i] of its cache: a plain copy, without index_copy_'s per-call cost in every layer.
+ * Returns -1, or the first i whose slot is outside [0, num_slots): then nothing is written. */
+int store_kv(const char* k, const char* v, char* k_cache, char* v_cache, const int64_t* slots,
+             int n, int row_bytes, int64_t num_slots) {
+  for (int i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return i;
+  for (int i = 0; i < n; ++i) {
+    memcpy(k_cache + slots[i] * row_bytes, k + (int64_t)i * row_bytes, row_bytes);
+    memcpy(v_cache + slots[i] * row_bytes, v + (int64_t)i * row_bytes, row_bytes);
+  }
+  return -1;
+}

@@ -1,0 +1,82 @@
+/* What the fast path's C kernels share. kernels.py builds them, once per machine, into one
+ * library:
+ *   linear.c    linear: §1, one weight read serving every row of the step;
+ *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache.
+ * All compute in float32; bfloat16 values are widened on load and results rounded to nearest
+ * even, as torch does. All arrays are contiguous and row-major.
+ */
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float load(const void* p, int64_t i, int bf16) {
+  if (!bf16) return ((const float*)p)[i];
+  uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16; /* bf16 = a float's top half */
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline void store(void* p, int64_t i, float x, int bf16) {
+  if (!bf16) {
+    ((float*)p)[i] = x;
+    return;
+  }
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
+  ((uint16_t*)p)[i] = (uint16_t)(bits >> 16);
+}
+
+/* Eight floats, one AVX register (a GCC/Clang vector extension: two SSE or NEON registers
+ * elsewhere). Written out rather than left to the auto-vectorizer, which did not vectorize
+ * these loops once they read through a block table. */
+typedef float vec8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline vec8 load8(const void* p, int64_t i, int bf16) {
+  vec8 v;
+  if (!bf16) {
+    memcpy(&v, (const float*)p + i, sizeof v);
+    return v;
+  }
+  u16x8 half;
+  memcpy(&half, (const uint16_t*)p + i, sizeof half);
+  const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+  memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+typedef float vec4 __attribute__((vector_size(16)));
+
+/* ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)), as 3 vector adds: written with scalars, the
+ * compiler took each lane out alone. */
+static inline float sum8(vec8 v) {
+  const vec4 a =
+      __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const vec4 c = a + __builtin_shufflevector(a, a, 1, 0, 3, 2); /* lane 0: a0 + a1, 2: a2 + a3 */
+  return c[0] + c[2];
+}
+
+/* e^x for x <= 0 as 2^n * e^r, |r| <= ln2 / 2, with a degree-6 polynomial for e^r (Cephes'
+ * expf coefficients, within ~1 ulp of expf). Plain arithmetic, so the softmax loop becomes
+ * vector code, where expf was one library call per score. */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x; /* e^-87 ~ 1.6e-38: smaller would leave 2^n's exponent range */
+  const float n = floorf(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* n ln2 in two parts */
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n: n in the exponent field */
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}

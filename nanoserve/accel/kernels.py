@@ -1,0 +1,74 @@
+"""The fast path's C kernels: §1's GEMM (csrc/linear.c) and §5's decode attention
+(csrc/attention.c), built for this CPU into one library on first use, then cached. Without a C
+compiler the fast path uses the library's kernels only."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from nanoserve.utils.bundled import cache_root
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADER = CSRC / "kernels.h"  # what they share
+# -march=native: this machine's vector width; -fopenmp: the work split over all cores;
+# -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+# The last int of each but store_kv (which copies bytes): 1 if bf16.
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
+            "linear": [_P] * 4 + [_I] * 4}
+
+
+@functools.cache  # once per process
+def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
+    """The kernels, built once into the cache (keyed by source, flags, -march=native), or None."""
+    log = logging.getLogger("nanoserve")
+    if shutil.which(compiler) is None:
+        log.warning("CPU kernels: no C compiler %r; the fast path uses torch's kernels", compiler)
+        return None
+    native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True).stdout  # its macros: __AVX2__...
+    texts = [path.read_text() for path in [HEADER, *SOURCES]]
+    key = hashlib.sha256("\n".join([*texts, *FLAGS, native]).encode()).hexdigest()
+    cache = cache_root()
+    with contextlib.suppress(OSError):
+        cache.mkdir(parents=True, exist_ok=True)
+    if not os.access(cache, os.W_OK):  # read-only, or not a directory: build for this process
+        cache = Path(tempfile.mkdtemp())
+    target = cache / f"nanoserve-kernels-{key[:16]}.so"
+    if not target.is_file():
+        # Built as a temporary file, then renamed: no start ever loads a half-written library.
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            log.warning("CPU kernels did not compile; the fast path uses torch's kernels:"
+                        "\n%s", build.stderr[-2000:])
+            return None
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in ARGTYPES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def keep_freed_memory() -> None:
+    """Keep freed buffers of up to 32 MB in the heap (glibc only; vLLM's CPU docs preload tcmalloc
+    for this). glibc hands large ones (logits, the MLP's rows, the KV gathers of prefill) back to
+    the OS, and every step would page-fault them in again. Process-wide: optimize() calls it."""
+    if os.name != "posix":  # CDLL(None), the process's own symbols, exists on POSIX only
+        return
+    libc = ctypes.CDLL(None)  # the C library's symbols among them
+    if hasattr(libc, "gnu_get_libc_version"):
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: allocate up to 32 MB from the heap...
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: ...and keep up to 256 MB of it when freed

@@ -1,0 +1,61 @@
+"""§5 on a CPU, fast: decode attention that reads the paged KV cache in place (csrc/attention.c).
+The torch twin gathers a copy of every decoding request's blocks in every layer, which at large
+batches costs more than the attention itself; this kernel reads each cached K/V row once, where it
+lies, one request per task, with the twin's signature and checks. Prefill chunks keep the twin
+(compute-bound). The cache write is one C copy, where index_copy_ pays torch's per-call cost in
+every layer."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import torch
+
+from nanoserve.layers import torch_attention
+from nanoserve.layers.attention import AttentionBackend
+
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
+
+
+def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                                block_table=None, softmax_scale=None, causal=False,
+                                flash_contract=False):
+        tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
+        if (q.dtype not in DTYPES or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
+                or not all(t is not None and t.is_contiguous() for t in tensors)):
+            return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                        softmax_scale, causal, flash_contract)
+        # The twin's shape checks (all the kernel relies on); it checks lengths and ids itself.
+        torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                          flash_contract, values=False)
+        batch, _, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        out = torch.empty_like(q)
+        scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        bad = lib.paged_decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+            cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+            block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16)
+        if bad >= 0:  # nothing was read; the twin's checks name what is wrong, else the ids are
+            torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens,
+                                              block_table, flash_contract)
+            raise ValueError(f"block_table row {bad} holds block ids outside [0, {num_blocks})")
+        return out
+
+    def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+        tensors = (key, value, k_cache, v_cache, slot_mapping)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if (key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]
+                or v_cache.shape != k_cache.shape or slot_mapping.shape != key.shape[:1]
+                or slot_mapping.dtype != torch.int64 or len({t.dtype for t in tensors[:4]}) > 1
+                or not all(t.is_contiguous() for t in tensors)):
+            return backend.store_kvcache(*tensors)  # index_copy_ copes, or says what is wrong
+        row = k_cache.stride(1) * k_cache.element_size()  # bytes: one token's K, all KV heads
+        if (bad := lib.store_kv(*(t.data_ptr() for t in tensors), len(key), row, num_slots)) >= 0:
+            raise ValueError(f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the "
+                             f"cache's slots [0, {num_slots})")
+
+    return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",
+                               with_kvcache=flash_attn_with_kvcache, store_kvcache=store_kvcache)

@@ -1,0 +1,84 @@
+"""Where a decode step's time goes on the optimized CPU path: the same step timed with the C
+decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of the steps).
+
+    python scripts/bench/step_breakdown.py                      # float32, 1/16/64 rows
+    python scripts/bench/step_breakdown.py --dtype bfloat16 --rows 16
+
+"attention" = full step - step without attention (the decode kernel and the C cache write);
+"GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
+residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from step_times import decode_batch, make_runner
+
+from nanoserve.accel import kernels as cpu_kernels
+from nanoserve.accel import paged_attention as cpu_attention
+from nanoserve.accel.linear import PackedLinear
+from nanoserve.layers.attention import select_backend
+
+
+def no_op_library(directory: str) -> ctypes.CDLL:
+    """The kernels' names, each doing nothing."""
+    source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
+    source.write_text("".join(f"int {name}(void) {{ return -1; }}\n"  # -1: "no error"
+                                 for name in cpu_kernels.ARGTYPES))
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in cpu_kernels.ARGTYPES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
+                    "default: 128 on a CPU)")
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    lib = cpu_kernels.compile_kernels()
+    if lib is None:
+        raise SystemExit("no C kernels here (no compiler): nothing to break down")
+    runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
+    twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    with tempfile.TemporaryDirectory() as tmp:
+        noop = no_op_library(tmp)
+        variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
+                    "neither": (noop, noop)}
+        print(f"{args.dtype}, threads {torch.get_num_threads()}, 240 tokens of context")
+        for rows in rows_list:
+            out = decode_batch(runner, rows, 240)
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for step in range(args.steps + 2):  # two warm-up steps
+                for name, (attention_lib, gemm_lib) in variants.items():
+                    backend = cpu_attention.with_decode_kernel(twin, attention_lib)
+                    for layer in runner.attn_layers:
+                        layer.backend = backend
+                    for linear in linears:
+                        linear.gemm = gemm_lib.linear
+                    t = time.perf_counter()
+                    runner.execute_model(out)
+                    if step >= 2:
+                        times[name].append(time.perf_counter() - t)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"{rows:3d} rows: step {ms['full']:.1f} ms = attention "
+                  f"{ms['full'] - ms['no attention']:.1f} + GEMMs {ms['full'] - ms['no GEMMs']:.1f}"
+                  f" + the rest ~{ms['neither']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Decode step time by batch size, eager vs optimized, against the machine's matmul roofline.
+
+Every row decodes one token at ~240 tokens of context (a full `execute_model` step: inputs,
+forward, logits, sampling). Variants are timed interleaved, step by step, so that noise from
+other processes hits all variants alike; the median is reported, and for the optimized path
+also the best step. The roofline is the GEMM rate measured here (its best run): a decode step
+needs ~2 x params FLOPs per row, so at 64 rows the best possible step is
+64 x 2 x params / (GEMM FLOP/s). "% of roofline" compares it with the median step, and with
+the best step (best against best: on a VM whose speed drifts, both are its fast moments). The
+last column times that fastest GEMM again between the steps and compares medians: the step
+against the machine's rate in the same moments.
+
+    python scripts/bench/step_times.py                       # fp32 and bf16, 1/16/64 rows
+    python scripts/bench/step_times.py --dtypes float32 --rows 16 --steps 30
+    python scripts/bench/step_times.py --cpu-time --threads 1  # on a shared, busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.accel.kernels import compile_kernels
+from nanoserve.accel.linear import PackedLinear
+from nanoserve.config import EngineConfig, resolve_config
+from nanoserve.engine import scheduler as sched
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.models.loader import load_config
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.bundled import default_model_dir
+
+
+def decode_batch(runner: ModelRunner, rows: int, context: int):
+    """A SchedulerOutput in which `rows` requests each decode their token at `context`. Their
+    blocks interleave as serving leaves them (blocks are taken on demand, so requests that grow
+    together take turns): block j of request i is block j * rows + i."""
+    bs = runner.block_size
+    blocks = -(-(context + 1) // bs)
+    reqs = []
+    for i in range(rows):
+        req = Request(f"r{i}", [(13 * i + j) % 5000 + 10 for j in range(context + 1)],
+                      SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True))
+        req.block_table = [j * rows + i for j in range(blocks)]
+        req.num_computed_tokens, req.status = context, RequestStatus.RUNNING
+        reqs.append(req)
+    return sched.SchedulerOutput(scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
+                                 token_budget=rows)
+
+
+def make_runner(dtype: str, rows: int, context: int, block_size: int | None = None,
+                enforce_eager: bool = False) -> ModelRunner:
+    """A CPU runner with KV blocks for `rows` requests of `context` + 1 tokens (block_size None:
+    the engine's default)."""
+    model_dir = default_model_dir()
+    config = resolve_config(EngineConfig(dtype=dtype, device="cpu", block_size=block_size,
+                                         enforce_eager=enforce_eager), load_config(model_dir))
+    blocks = rows * -(-(context + 1) // config.block_size)
+    return ModelRunner(replace(config, num_kv_blocks=blocks), model_dir)
+
+
+def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
+    """The CPU's best matmul rate on the model's own shapes (576 -> 1536 -> 576, 256 rows):
+    torch's GEMM on plain or oneDNN-packed weights, or nanoserve's C GEMM on its packed
+    panels, whichever is fastest. Best of `repeats`: other processes only ever slow a GEMM
+    down, so the fastest run is the machine's rate. Also returns that fastest way, and its
+    FLOPs, to time it again between the steps."""
+    x = torch.randn(256, 576, dtype=dtype)
+    w1, w2 = torch.randn(1536, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    ways = {"plain": lambda: F.linear(F.linear(x, w1), w2)}
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in (w1, w2))
+
+        def packed():
+            h = torch.ops.mkldnn._linear_pointwise(x, p1, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(h, p2, None, "none", [], "")
+        ways["packed"] = packed
+    if lib := compile_kernels():
+        c1, c2 = (PackedLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
+                               .requires_grad_(False), lib) for w in (w1, w2))
+        for c, w in ((c1, w1), (c2, w2)):
+            c.weight.copy_(w)
+            c.packed.copy_(w.view(-1, 16, w.shape[1]).transpose(1, 2))
+        ways["nanoserve"] = lambda: c2(c1(x))
+    best, fastest, flops = float("inf"), None, 2 * 2 * 256 * 576 * 1536
+    for way in ways.values():
+        way()
+        for _ in range(repeats):
+            t = clock()
+            way()
+            if clock() - t < best:
+                best, fastest = clock() - t, way
+    return flops / best / 1e9, fastest, flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--context", type=int, default=240)
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per variant and size")
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
+                    "default: 128 on a CPU)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time this thread's CPU time, not wall time (use with --threads 1)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(f"threads {torch.get_num_threads()}, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
+          f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
+    print("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
+          "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        runners = {name: make_runner(dtype, max(rows_list), args.context, args.block_size, eager)
+                   for name, eager in (("eager", True), ("optimized", False))}
+        params = sum(p.numel() for p in runners["eager"].model.parameters())
+        gflops, gemm, gemm_flops = gemm_gflops(runners["eager"].dtype, clock)
+        for rows in rows_list:
+            outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
+            times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm")}
+            for step in range(args.steps + 2):  # two warm-up steps
+                for name in (*runners, "gemm"):
+                    t = clock()
+                    if name == "gemm":
+                        gemm()
+                    else:
+                        runners[name].execute_model(outs[name])
+                    if step >= 2:
+                        times[name].append(clock() - t)
+            eager, opt = (statistics.median(times[n]) * 1e3 for n in ("eager", "optimized"))
+            best = min(times["optimized"]) * 1e3
+            roofline_ms = rows * 2 * params / (gflops * 1e9) * 1e3
+            # The same GEMM, timed between the steps: the machine's rate in the same moments.
+            gemm_s = statistics.median(times["gemm"])
+            same_moments_ms = rows * 2 * params / gemm_flops * gemm_s * 1e3
+            print(f"| {dtype} | {rows} | {eager:.1f} | {opt:.1f} | {opt / eager:.2f} | "
+                  f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
+                  f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% |")
+        print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
+              f"{gflops * 1e9 / (2 * params):.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()

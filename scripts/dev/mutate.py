@@ -1,0 +1,462 @@
+"""Mutation testing: do the tests notice when a rule of the chapter is broken?
+
+Each mutant below is one small, realistic bug: an exact snippet of nanoserve's source, its
+replacement, what it breaks and the rule (chapter section or sampling knob) it violates.
+They are planted one at a time into a temporary copy of the working tree (the tree itself
+is never touched) and the fast tests run against each; a mutant is "killed" when a test
+fails. A mutant whose snippet no longer occurs in the source is reported "stale": update
+its snippet after the code it targets changes.
+
+    python scripts/dev/mutate.py            # every mutant against the fast tests (minutes)
+    python scripts/dev/mutate.py --full     # then the whole suite, slow tests too, on survivors
+    python scripts/dev/mutate.py --list     # the mutants and their rules
+    python scripts/dev/mutate.py top_p      # only mutants whose name contains "top_p"
+
+Run it before a change to the scheduler, block manager or sampler is called done. Hypothesis
+runs derandomized (profile "mutate" in tests/conftest.py), so results are reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Model-free tests first, then those that build a tiny LLM: with -x the first failing test
+# ends the run. A mutant's own module's tests go first (see `ordered`).
+FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
+              "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
+              "tests/test_abort.py", "tests/test_validation.py", "tests/test_cpu_fused.py",
+              "tests/test_cpu_linear.py", "tests/test_cpu_attention.py"]
+FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
+         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"],
+         "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
+         "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
+         "nanoserve/layers/cpu_attention.c": ["tests/test_cpu_attention.py"],
+         "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"],
+         "nanoserve/layers/cpu_kernels.h": ["tests/test_cpu_fused.py"]}
+PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
+
+SCHED = "nanoserve/engine/scheduler.py"
+BM = "nanoserve/engine/block_manager.py"
+RUNNER = "nanoserve/engine/model_runner.py"
+SAMPLER = "nanoserve/layers/sampler.py"
+FUSED, GEMM = "nanoserve/layers/cpu_fused.c", "nanoserve/layers/cpu_linear.c"
+ATTN = "nanoserve/layers/cpu_attention.c"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    description: str
+    rule: str
+
+
+MUTANTS = [
+    # -- §6.2: the order of decisions in one schedule step --------------------------------
+    Mutant("admit_after_preempt", SCHED,
+           "while not out.preempted and self.waiting and token_budget > 0:",
+           "while self.waiting and token_budget > 0:",
+           "waiting requests admitted in a step that preempted",
+           "§6.2: admit only if nothing was preempted this step"),
+    Mutant("budget_not_charged_admitted", SCHED,
+           "            self._schedule(req, num_new, out)\n            token_budget -= num_new\n"
+           "        return out",
+           "            self._schedule(req, num_new, out)\n        return out",
+           "admitted chunks do not spend the token budget",
+           "§6.2: every scheduled token is charged to token_budget"),
+    Mutant("budget_not_charged_running", SCHED,
+           "            self._schedule(req, num_new, out)\n            token_budget -= num_new\n\n",
+           "            self._schedule(req, num_new, out)\n\n",
+           "running requests' tokens do not spend the token budget",
+           "§6.2: every scheduled token is charged to token_budget"),
+    Mutant("max_num_seqs_off_by_one", SCHED,
+           "return len(self.running) < self.config.max_num_seqs",
+           "return len(self.running) <= self.config.max_num_seqs",
+           "one request more than max_num_seqs runs",
+           "§6.2/§7: running <= max_num_seqs"),
+    Mutant("admitted_joins_front_of_running", SCHED,
+           "        self.running.append(req)\n",
+           "        self.running.appendleft(req)\n",
+           "a newly admitted request is served before the requests already running",
+           "§6.2: running requests first, in the order they joined"),
+    Mutant("long_prefill_threshold_ignored", SCHED,
+           "cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens",
+           "cap = self.config.max_num_batched_tokens",
+           "long_prefill_token_threshold does not cap a prefill chunk",
+           "§7: chunked prefill caps each chunk"),
+    # -- §6.3: preemption by recompute ----------------------------------------------------
+    Mutant("fcfs_victim_first_running", SCHED,
+           "return self.running[-1]", "return self.running[0]",
+           "FCFS preempts the first running request instead of the last",
+           "§6.3: FCFS evicts the request that joined running last"),
+    Mutant("priority_victim_ignores_arrival", SCHED,
+           "key=lambda r: (r.priority, r.arrival_time))", "key=lambda r: r.priority)",
+           "PRIORITY victim: ties on priority not broken by the latest arrival",
+           "§6.3: PRIORITY evicts the largest (priority, arrival_time)"),
+    Mutant("preempt_refund_lost", SCHED,
+           "token_budget += self._preempt_request(victim, out)",
+           "self._preempt_request(victim, out)",
+           "a victim that was already scheduled does not give its tokens back to the step",
+           "§6.2/§6.3: a preempted request leaves the batch and the budget"),
+    Mutant("preempted_to_back_of_waiting", SCHED,
+           "self.waiting.push_front(victim)", "self.waiting.push(victim)",
+           "a preempted request queues behind requests that never ran",
+           "§6.3: a preempted request goes back to the front of waiting"),
+    Mutant("preempt_keeps_num_computed", SCHED,
+           "victim.num_computed_tokens, victim.status = 0, RequestStatus.PREEMPTED",
+           "victim.status = RequestStatus.PREEMPTED",
+           "a preempted request keeps its num_computed_tokens",
+           "§6.3: preemption by recompute resets num_computed_tokens to 0"),
+    Mutant("preempt_keeps_blocks", SCHED,
+           "        self.running.remove(victim)\n        self.block_manager.free(victim)\n",
+           "        self.running.remove(victim)\n        victim.block_table = []\n",
+           "a preempted request's blocks are never returned to the pool",
+           "§6.3: preemption frees the victim's KV blocks"),
+    # -- §3/§4: processing the step's output ----------------------------------------------
+    Mutant("stop_token_ids_ignored", SCHED,
+           "or last in params.stop_token_ids:", "or False:",
+           "stop_token_ids never stop a request",
+           "§4: stop on a stop token"),
+    Mutant("ignore_eos_ignored", SCHED,
+           "(not params.ignore_eos and last in req.eos_token_ids)",
+           "(last in req.eos_token_ids)",
+           "ignore_eos=True still stops at EOS",
+           "§4: EOS stops unless ignore_eos"),
+    Mutant("max_tokens_off_by_one", SCHED,
+           "req.num_output_tokens >= params.max_tokens",
+           "req.num_output_tokens > params.max_tokens",
+           "one token more than max_tokens",
+           "§4: stop at max_tokens"),
+    Mutant("finished_blocks_not_freed", SCHED,
+           "        for req in finished:\n            self.block_manager.free(req)\n",
+           "        for req in finished:\n            req.block_table = []\n",
+           "a finished request's blocks are not returned",
+           "§3: a finished request frees its blocks at once"),
+    Mutant("abort_keeps_blocks", SCHED,
+           "                self.running.remove(req)\n"
+           "                self.block_manager.free(req)\n",
+           "                self.running.remove(req)\n",
+           "aborting a running request leaks its blocks",
+           "§3/§5: a request that leaves frees its blocks"),
+    # -- §5: the block manager and prefix caching -----------------------------------------
+    Mutant("cache_uncomputed_full_blocks", BM,
+           "num_full = req.num_computed_tokens // self.block_size",
+           "num_full = min(req.num_tokens, len(req.block_table) * self.block_size) "
+           "// self.block_size",
+           "cache_full_blocks registers full blocks whose KV is not computed yet",
+           "§5: a hash must not promise KV that was never written"),
+    Mutant("hash_not_chained", BM,
+           "return hash((parent_hash, token_ids))", "return hash(token_ids)",
+           "a block's hash ignores its parent: equal blocks after different prefixes collide",
+           "§5: block hashes are chained from the parent's hash"),
+    Mutant("hit_not_verified", BM,
+           "if block_id is None or self.blocks[block_id].token_ids != tokens:",
+           "if block_id is None:",
+           "a prefix-cache hit is not checked against the stored token ids",
+           "§5: hash collisions are misses, not wrong hits"),
+    Mutant("last_token_from_cache", BM,
+           "num_full = (req.num_tokens - 1) // self.block_size",
+           "num_full = req.num_tokens // self.block_size",
+           "a fully cached prompt takes its last token from the cache (no logits to sample)",
+           "§5: the last token is always computed"),
+    Mutant("evicted_block_keeps_hash", BM,
+           "            block.block_hash, block.token_ids = None, ()\n", "",
+           "a reused (evicted) block keeps its old hash: stale KV is found as a hit",
+           "§5: eviction forgets the block's prefix"),
+    Mutant("eviction_takes_newest", BM,
+           "block_id, _ = self.free_blocks.popitem(last=False)",
+           "block_id, _ = self.free_blocks.popitem(last=True)",
+           "allocation takes the most recently freed block (evicts the hottest prefix)",
+           "§5: least recently freed cached blocks are evicted first"),
+    Mutant("uncached_blocks_not_taken_first", BM,
+           "                if block.block_hash is None:\n"
+           "                    self.free_blocks.move_to_end(block_id, last=False)\n", "",
+           "freed blocks holding nothing reusable are not taken before cached ones",
+           "§5: evict cached prefixes only when no empty block is left"),
+    Mutant("free_head_first", BM,
+           "for block_id in reversed(req.block_table):", "for block_id in req.block_table:",
+           "a freed request's prefix head is evicted before its tail",
+           "§5: among one request's cached blocks, the prefix head is evicted last"),
+    Mutant("revived_blocks_counted_as_room", BM,
+           "num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)",
+           "num_revived = 0",
+           "cached blocks leaving the free pool are also counted as room for new blocks",
+           "§5: allocation is all or nothing, never over the pool"),
+    Mutant("shared_block_refcount_reset", BM,
+           "            block.ref_count += 1\n", "            block.ref_count = 1\n",
+           "a shared prefix block's ref_count is reset instead of incremented",
+           "§5: a shared block is freed only when its last user leaves"),
+    # -- §5: slots and block tables the model reads (prepare_inputs) ----------------------
+    Mutant("slot_mapping_off_by_one", RUNNER,
+           "req.block_table[p // block_size] * block_size + p % block_size",
+           "req.block_table[p // block_size] * block_size + (p + 1) % block_size",
+           "each token's K/V is written one slot off",
+           "§5: slot = block_table[pos // block_size] * block_size + pos % block_size"),
+    Mutant("slot_in_last_block", RUNNER,
+           "req.block_table[p // block_size] * block_size + p % block_size",
+           "req.block_table[-1] * block_size + p % block_size",
+           "every token is written into the request's last block",
+           "§5: each position lives in its own block of the block table"),
+    Mutant("context_len_off_by_one", RUNNER,
+           "decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows]),",
+           "decode_context_lens=to_device([start for _, start, _, _ in decode_rows]),",
+           "a decode reads one token less than its context",
+           "§5: a decode attends to all its computed tokens and itself"),
+    # -- sampling knobs -------------------------------------------------------------------
+    Mutant("top_p_cumsum_includes_token", SAMPLER,
+           "mass_before = probs.cumsum(dim=-1) - probs", "mass_before = probs.cumsum(dim=-1)",
+           "top_p drops the token that crosses the mass",
+           "top_p keeps the smallest prefix reaching the mass"),
+    Mutant("top_p_tie_kept", SAMPLER,
+           "mass_before >= top_p", "mass_before > top_p",
+           "top_p keeps one token more when the mass is reached exactly",
+           "top_p keeps the smallest prefix reaching the mass"),
+    Mutant("top_k_keeps_k_plus_1", SAMPLER,
+           "rank >= top_k", "rank > top_k",
+           "top_k keeps k + 1 tokens", "top_k keeps exactly k"),
+    Mutant("temperature_ignored", SAMPLER,
+           "(logits / temperature).sort(", "logits.sort(",
+           "temperature does not scale the logits", "temperature sharpens / flattens"),
+    Mutant("seed_generator_ignored", SAMPLER,
+           "generators[i] or self.generator", "self.generator",
+           "a seeded request draws from the engine's generator",
+           "seed: a request's draws are reproducible, whatever its batch"),
+    Mutant("sampled_row_mixed_up", SAMPLER,
+           "probs[j], 1, generator=", "probs[i], 1, generator=",
+           "a sampled row draws from another row's probabilities",
+           "each row samples from its own logits"),
+    # -- the optimized CPU path's kernels compute what the reader's torch computes ----------
+    Mutant("rope_sign_flipped", FUSED,
+           "load(cos, c + i, bf16), bf16) -", "load(cos, c + i, bf16), bf16) +",
+           "the C RoPE rotates the first half the wrong way",
+           "the fused kernels equal decoder.py's torch"),
+    Mutant("silu_sigmoid_swapped", FUSED,
+           "(g >= 0.f ? 1.f : e)", "(g >= 0.f ? e : 1.f)",
+           "the C SiLU takes sigmoid(-g) for one sign of g",
+           "the fused kernels equal decoder.py's torch"),
+    Mutant("argmax_nan_missed", FUSED,
+           "      nan8 |= v != v;\n", "",
+           "the C argmax misses a NaN outside the last few columns",
+           "a NaN row fails its request (the sampler's check), as with torch.argmax"),
+    Mutant("gemm_prefetch_pass_skips_k", GEMM,
+           "k < k0 + passes && k < K;", "k < k0 + passes - 1 && k < K;",
+           "the prefetching GEMM loop skips one k in every `passes`",
+           "§1: the packed GEMM equals nn.Linear"),
+    Mutant("gemm_five_row_block_skips_a_row", GEMM,
+           "gemm_block(x, w, panel, bias, y, M, N, K, p, m0, 5, 0, 0, pass,",
+           "gemm_block(x, w, panel, bias, y, M, N, K, p, m0, 4, 0, 0, pass,",
+           "the fp32 GEMM's 5-row block computes only 4 of its rows",
+           "§1: the packed GEMM equals nn.Linear"),
+    Mutant("gemm_group_panel_off_by_one", GEMM,
+           "while (p >= ns[i] / 16)", "while (p > ns[i] / 16)",
+           "a grouped GEMM call gives one linear's first panel to the one before",
+           "q, k, v in one GEMM call compute what each computes alone"),
+    Mutant("decode_reads_past_the_cache", ATTN,
+           "if (id < 0 || id >= num_blocks) return b;", "if (id < 0) return b;",
+           "the C decode kernel reads a block id past the cache",
+           "a bad block id is a ValueError, never a read outside the cache"),
+    Mutant("cache_write_past_the_cache", ATTN,
+           "if (slots[i] < 0 || slots[i] >= num_slots) return i;", "if (slots[i] < 0) return i;",
+           "the C cache write takes a slot past the cache",
+           "a bad slot is a ValueError, never a write outside the cache"),
+    Mutant("fused_ops_in_fp16", RUNNER,
+           "if self.dtype in cpu_attention.DTYPES:", "if True:",
+           "the float32/bf16 kernels are swapped in for a float16 model",
+           "the kernels read only the dtypes they were written for"),
+    Mutant("bf16_results_not_rounded", "nanoserve/layers/cpu_kernels.h",
+           "  if (!bf16) return x;", "  if (bf16 || !bf16) return x;",
+           "the bf16 element-wise kernels round once at the end, not where torch's ops round",
+           "the optimized path computes what the eager one does, in bf16 too"),
+    Mutant("gemm_widened_panel_is_panel_0", GEMM,
+           "wide[j] = load(w, panel + j, 1);", "wide[j] = load(w, j, 1);",
+           "the bf16 GEMM widens the first panel for every panel of a multi-pass call",
+           "§1: the packed GEMM equals nn.Linear"),
+    Mutant("attention_bf16_row_cut_short", ATTN,
+           "for (int i = 0; i < row; i += 8) {", "for (int i = 8; i < row; i += 8) {",
+           "the decode kernel widens a bf16 K/V row but its first 8 values",
+           "§5: the decode kernel equals naive attention"),
+    Mutant("attention_tile_reads_one_row", ATTN,
+           "rows[i] = row_floats(cache, offsets[t + i], row, bf16, tmp + i * row);",
+           "rows[i] = row_floats(cache, offsets[t], row, bf16, tmp + i * row);",
+           "the bf16 decode kernel reads each tile of 4 tokens as its first token's K and V",
+           "§5: the decode kernel equals naive attention"),
+    Mutant("sum8_adds_a_lane_twice", "nanoserve/layers/cpu_kernels.h",
+           "a + __builtin_shufflevector(a, a, 1, 0, 3, 2);",
+           "a + __builtin_shufflevector(a, a, 2, 0, 3, 2);",
+           "the 8-lane sum that every kernel's dot product ends with adds one lane twice",
+           "§5: the decode kernel equals naive attention"),
+    Mutant("freed_buffers_returned_to_the_os", RUNNER,
+           "            cpu_kernels.keep_freed_memory()", "            pass",
+           "the CPU runner leaves glibc to page-fault each step's large buffers in again",
+           "the runner removes the costs it names"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked, not ignored files)."""
+    names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, names):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def ordered(tests: list[str], mutant: Mutant) -> list[str]:
+    first = FIRST.get(mutant.file, [])
+    return sorted(tests, key=lambda t: t not in first)  # stable: keeps FAST_TESTS' order
+
+
+def preload() -> None:
+    """Import the heavy libraries once, in this process, so that each forked pytest run
+    starts warm (importing torch and transformers costs seconds per run, much more on a
+    loaded machine). nanoserve itself is NOT imported here: each run imports the copy."""
+    import hypothesis  # noqa: F401
+    import pytest  # noqa: F401
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoTokenizer, GenerationConfig  # noqa: F401
+
+
+def run_pytest(tree: Path, tests: list[str], extra: list[str], timeout: float
+               ) -> tuple[str, str, float]:
+    """Run pytest on `tree` in a forked child. Returns (outcome, first failing test,
+    seconds); outcome is "killed" (a failing test, or a crash), "survived", "timeout"
+    (counted as killed: a livelock is caught) or "error"."""
+    log = tree / ".mutate-pytest.log"
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: run pytest on the copy, its output to the log
+        code = 3
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(tree)
+            sys.path.insert(0, str(tree))
+            os.environ["NANOSERVE_HYPOTHESIS_PROFILE"] = "mutate"
+            import pytest
+
+            import nanoserve
+            assert Path(nanoserve.__file__).is_relative_to(tree), nanoserve.__file__
+            code = pytest.main([*PYTEST, *extra, *tests])
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(int(code))
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - start > timeout:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", f"(no result in {timeout:.0f} s)", time.monotonic() - start
+        time.sleep(0.1)
+    seconds, returncode = time.monotonic() - start, os.waitstatus_to_exitcode(status)
+    output = log.read_text(errors="replace")
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    if returncode == 0:
+        return "survived", "", seconds
+    if failed:
+        return "killed", failed[0], seconds
+    if returncode < 0 or "Fatal Python error" in output:  # a C mutant crashed the test run:
+        crash = re.findall(r"^Fatal Python error: (.*)$", output, re.MULTILINE)  # CI sees it
+        return "killed", f"(pytest crashed: {crash[0] if crash else -returncode})", seconds
+    return "error", " / ".join(output.strip().splitlines()[-3:]), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="only mutants whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--full", action="store_true",
+                        help="run the whole suite (slow tests too) against fast-test survivors")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    args = parser.parse_args()
+    mutants = [m for m in MUTANTS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for i, m in enumerate(mutants, 1):
+            print(f"{i:2d}. {m.name}  ({m.file})\n    breaks: {m.description}\n"
+                  f"    rule:   {m.rule}")
+        return 0
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant must never run stale bytecode
+    sys.dont_write_bytecode = True
+    preload()
+    with tempfile.TemporaryDirectory(prefix="nanoserve-mutate-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        tests = [t for t in FAST_TESTS if (tree / t).is_file()]
+        fast = ["-m", "not slow"]
+        outcome, detail, secs = run_pytest(tree, tests, fast, args.timeout)
+        if outcome != "survived":
+            print(f"the fast tests fail without any mutant ({detail}); fix that first")
+            return 2
+        print(f"fast tests, no mutant: pass in {secs:.0f} s ({', '.join(tests)})\n")
+        rows = []
+        for i, m in enumerate(mutants, 1):
+            path = tree / m.file
+            source = path.read_text()
+            count = source.count(m.original)
+            if count != 1:
+                why = "snippet not found" if count == 0 else f"snippet found {count} times"
+                rows.append((m, "stale", why, 0.0))
+            else:
+                path.write_text(source.replace(m.original, m.replacement))
+                try:
+                    outcome, detail, secs = run_pytest(tree, ordered(tests, m), fast,
+                                                       args.timeout)
+                    if outcome == "survived" and args.full:
+                        outcome, detail, more = run_pytest(tree, ["tests"], [], args.timeout)
+                        secs += more
+                        if outcome in ("killed", "timeout"):
+                            outcome, detail = f"{outcome} (full suite)", detail
+                finally:
+                    path.write_text(source)
+                rows.append((m, outcome, detail, secs))
+            _, outcome, detail, secs = rows[-1]
+            print(f"[{i:2d}/{len(mutants)}] {m.name:34s} {outcome:20s} {secs:5.0f} s  {detail}",
+                  flush=True)
+
+    print_table(rows)
+    live = [r for r in rows if r[1] != "stale"]
+    killed_fast = sum(r[1] in ("killed", "timeout") for r in live)
+    killed_all = sum(r[1] != "survived" and r[1] != "error" for r in live)
+    print(f"\nscore (fast tests): {killed_fast}/{len(live)} killed "
+          f"({100 * killed_fast / max(len(live), 1):.0f}%)")
+    if args.full:
+        print(f"score (whole suite): {killed_all}/{len(live)} killed")
+    stale = [r[0].name for r in rows if r[1] == "stale"]
+    if stale:
+        print(f"stale (update their snippets): {', '.join(stale)}")
+    return 0 if all(r[1] not in ("survived", "error") for r in live) else 1
+
+
+def print_table(rows: list) -> None:
+    print("\n| # | mutant | file | rule | result | killed by |\n|---|---|---|---|---|---|")
+    for i, (m, outcome, detail, _) in enumerate(rows, 1):
+        print(f"| {i} | {m.name} | {Path(m.file).name} | {m.rule} | {outcome} | "
+              f"{detail.replace('|', '/')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
