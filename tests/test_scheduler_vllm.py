@@ -136,7 +136,8 @@ def test_free_puts_unhashed_blocks_at_the_head_tail_first_and_cached_ones_last()
 
 
 def test_free_of_an_uncached_request_leaves_its_blocks_reversed_at_the_head():
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    """A 4-block request freed before any of its KV was computed: no block has a hash."""
+    bm = BlockManager(num_blocks=6, block_size=4)
     req = Request("r", list(range(16)), SamplingParams(max_tokens=1))
     assert bm.allocate_slots(req, 16)
     bm.free(req)
