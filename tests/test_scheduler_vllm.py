@@ -59,7 +59,7 @@ def test_a_preempted_request_waits_until_its_prompt_and_outputs_fit():
         a_running = a.status == RequestStatus.RUNNING
         engine.step()
         readmitted_while_a_ran |= a_running and b in engine.outputs[-1].admitted
-    assert not readmitted_while_a_ran
+    assert not readmitted_while_a_ran, "B was readmitted with room for a chunk, not its 5 tokens"
     assert b.num_preemptions == 1  # readmitted once, with room for all it holds
     assert a.output_token_ids == expected_output([1] * 3, 8)
     assert b.output_token_ids == expected_output([2] * 3, 8)
