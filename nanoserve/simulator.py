@@ -118,8 +118,8 @@ def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_bloc
     # Notes name the running request refused a block (it forces the preemption, §6.2).
     refused, allocate = [], sched.block_manager.allocate_slots
 
-    def allocate_and_listen(req: Request, *args: object) -> bool:
-        ok = allocate(req, *args)
+    def allocate_and_listen(req: Request, *args: object, **kwargs: object) -> bool:
+        ok = allocate(req, *args, **kwargs)
         if not ok and req.status == RequestStatus.RUNNING:
             refused.append(req.request_id)
         return ok

@@ -5,6 +5,13 @@ Prefix caching: each *full* block whose KV is computed is registered under a has
 parent's hash and its token ids, so a hash names a whole prefix (hits are checked against the token
 ids: hashes can collide). It stays reusable after it is freed, until the pool needs it back.
 
+As vLLM's `BlockPool.free_blocks`: a request's blocks are freed tail first; those without a hash,
+never reusable, go to the front of the free pool as one run (taken first, the tail first) and
+cached ones to the back, so cached prefixes survive longest and a prefix's head outlives its tail.
+As vLLM's `PrefixCacheStats`: a resumed request's lookup is counted apart (`preempted_queries`,
+`preempted_hits`), because it mostly finds its own recomputed prefix and would inflate the hit
+rate of first admissions.
+
 Invariants (checked by the property tests after every step):
     num_free_blocks + num_used_blocks == num_blocks
     ref_count >= 0; a block is in the free pool exactly when its ref_count is 0
@@ -43,6 +50,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block_hash -> block_id
         self.prefix_cache_queries, self.prefix_cache_hits = 0, 0  # tokens looked up, tokens found
+        self.preempted_queries, self.preempted_hits = 0, 0  # the same, for resumptions
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,21 +81,33 @@ class BlockManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[int] | None = None) -> bool:
+                       new_computed_blocks: list[int] | None = None,
+                       full_sequence_must_fit: bool = False) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens; at admission, `new_computed_blocks`
-        (from get_computed_blocks, maybe []) join first. All or nothing: False changes no state."""
+        (from get_computed_blocks, maybe []) join first. All or nothing: False changes no state.
+        `full_sequence_must_fit`: fail unless the blocks of all `req.num_tokens` fit too."""
         computed = new_computed_blocks or []
         # Cached blocks only come at admission, when num_computed_tokens is still 0.
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(req.block_table) - len(computed)
+        held = len(req.block_table) + len(computed)
+        num_new_blocks = self.blocks_needed(total) - held
+        # total <= num_tokens: room for the whole sequence is room for this chunk too.
+        needed = self.blocks_needed(req.num_tokens) - held if full_sequence_must_fit \
+            else num_new_blocks
         # Cached blocks in the free pool are about to leave it, so they are not room for new ones.
         num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - num_revived:
+        if needed > self.num_free_blocks - num_revived:
             return False
         if new_computed_blocks is not None and self.enable_prefix_caching:
             # Counted at admission only: a request waiting for room is looked up every step.
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += len(computed) * self.block_size
+            # A resumption finds its own recomputed prefix: counted apart, as in vLLM.
+            hits = len(computed) * self.block_size
+            if req.num_preemptions:
+                self.preempted_queries += req.num_tokens
+                self.preempted_hits += hits
+            else:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += hits
         for block_id in computed:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -127,7 +147,9 @@ class BlockManager:
                 self.cached_blocks.setdefault(parent, block.block_id)
 
     def free(self, req: Request) -> None:
-        """Return all of `req`'s blocks, tail first: its shared prefix is then evicted last."""
+        """Return all of `req`'s blocks, tail first: its shared prefix is then evicted last, and
+        its blocks without a hash go to the front as one run, its tail first (taken first)."""
+        unhashed = []
         for block_id in reversed(req.block_table):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -136,9 +158,12 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None  # back of the pool
                 if block.block_hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+                    unhashed.append(block_id)
+        for block_id in reversed(unhashed):  # the run's last block first, so its first leads
+            self.free_blocks.move_to_end(block_id, last=False)
         req.block_table, req.block_hashes = [], []
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+        """Over first admissions only: a resumption's hits are its own recompute, not reuse."""
         return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)

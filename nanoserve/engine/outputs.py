@@ -47,5 +47,5 @@ class EngineStats:
     kv_cache_usage: float  # fraction of blocks in use
     num_free_blocks: int
     num_preemptions: int
-    prefix_cache_hit_rate: float  # hit tokens / queried tokens
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens, first admissions only (vLLM)
     num_steps: int

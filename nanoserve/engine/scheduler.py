@@ -4,7 +4,13 @@
 Two queues: `waiting` (never scheduled, or preempted) and `running` (owns KV blocks). Each step
 `schedule()` spends a token budget in §6.2's order: running requests first, preempting by recompute
 when no block is free (§6.3); then, if nothing was preempted, waiting ones. After the forward pass
-`update_from_output()` appends tokens, checks stops and frees finished requests at once (§3, §4)."""
+`update_from_output()` appends tokens, checks stops and frees finished requests at once (§3, §4).
+
+As in vLLM 0.32: a waiting or preempted request is admitted only if the blocks of its whole current
+sequence fit (`scheduler_reserve_full_isl=True`), because one admitted on its first chunk alone
+would soon need blocks that only preempting others can give; `long_prefill_token_threshold` caps a
+chunk only if another request is running or waiting, because it exists to keep one long prefill
+from starving the others."""
 
 from __future__ import annotations
 
@@ -68,6 +74,8 @@ class Scheduler:
         """§6.2: one schedule step, its decisions in the chapter's order (1-3 below)."""
         token_budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(token_budget=token_budget)
+        alone = len(self.running) + len(self.waiting) <= 1  # no other request to protect
+        cap = None if alone else self.config.long_prefill_token_threshold
 
         # 1. Running requests first (mostly decodes), each taking its next tokens.
         for req in list(self.running):  # a copy: preempting removes from `running`
@@ -78,7 +86,7 @@ class Scheduler:
             num_remaining = req.num_tokens - req.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_remaining > token_budget:
                 continue  # a static batch's prompt: whole in a later step, never chunked
-            num_new = self._num_new_tokens(num_remaining, token_budget)
+            num_new = min(num_remaining, token_budget, cap or token_budget)
             # 2. No free block: preempt a victim (§6.3) and retry, until it fits or evicts itself.
             while not (allocated := self.block_manager.allocate_slots(req, num_new)):
                 victim = self._pick_victim()
@@ -99,8 +107,10 @@ class Scheduler:
             num_remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_remaining > token_budget:
                 break  # the whole prompt must fit in one step
-            num_new = self._num_new_tokens(num_remaining, token_budget)
-            if not self.block_manager.allocate_slots(req, num_new, computed_blocks):
+            num_new = min(num_remaining, token_budget, cap or token_budget)
+            # Room for all its tokens, not just this chunk, or it would soon preempt others.
+            if not self.block_manager.allocate_slots(req, num_new, computed_blocks,
+                                                     full_sequence_must_fit=True):
                 break  # no room without preempting; running requests come first
             self.waiting.pop()
             self._start_running(req, num_cached)
@@ -108,11 +118,6 @@ class Scheduler:
             self._schedule(req, num_new, out)
             token_budget -= num_new
         return out
-
-    def _num_new_tokens(self, num_remaining: int, token_budget: int) -> int:
-        """Chunked prefill: at most the budget, and at most long_prefill_token_threshold."""
-        cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
-        return min(num_remaining, token_budget, cap)
 
     def _can_admit(self, req: Request) -> bool:
         return len(self.running) < self.config.max_num_seqs

@@ -34,12 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Model-free tests first, then those that build a tiny LLM: with -x the first failing test
 # ends the run. A mutant's own module's tests go first (see `ordered`).
-FAST_TESTS = ["tests/test_scheduler.py", "tests/test_block_manager.py", "tests/test_sampler.py",
+FAST_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_vllm.py",
+              "tests/test_block_manager.py", "tests/test_sampler.py",
               "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
               "tests/test_abort.py", "tests/test_validation.py", "tests/test_cpu_fused.py",
               "tests/test_cpu_linear.py", "tests/test_cpu_attention.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
-         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py"],
+         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py",
+                                               "tests/test_scheduler_vllm.py"],
          "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
          "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
          "nanoserve/layers/cpu_attention.c": ["tests/test_cpu_attention.py"],
@@ -51,6 +53,7 @@ SCHED = "nanoserve/engine/scheduler.py"
 BM = "nanoserve/engine/block_manager.py"
 RUNNER = "nanoserve/engine/model_runner.py"
 SAMPLER = "nanoserve/layers/sampler.py"
+QUEUE = "nanoserve/engine/waiting_queue.py"
 FUSED, GEMM = "nanoserve/layers/cpu_fused.c", "nanoserve/layers/cpu_linear.c"
 ATTN = "nanoserve/layers/cpu_attention.c"
 
@@ -94,10 +97,22 @@ MUTANTS = [
            "a newly admitted request is served before the requests already running",
            "§6.2: running requests first, in the order they joined"),
     Mutant("long_prefill_threshold_ignored", SCHED,
-           "cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens",
-           "cap = self.config.max_num_batched_tokens",
+           "cap = None if alone else self.config.long_prefill_token_threshold", "cap = None",
            "long_prefill_token_threshold does not cap a prefill chunk",
            "§7: chunked prefill caps each chunk"),
+    Mutant("long_prefill_cap_when_alone", SCHED,
+           "alone = len(self.running) + len(self.waiting) <= 1", "alone = False",
+           "long_prefill_token_threshold caps a request that is alone in the scheduler",
+           "§7 (vLLM 0.32): the chunk cap applies only when other requests run or wait"),
+    Mutant("admission_checks_first_chunk_only", SCHED,
+           "full_sequence_must_fit=True", "full_sequence_must_fit=False",
+           "a waiting or preempted request is admitted when only its first chunk fits",
+           "§6.2 (vLLM 0.32): admission reserves the blocks of the whole current sequence"),
+    Mutant("priority_ties_ignore_arrival", QUEUE,
+           "key=lambda r: (r.priority, r.arrival_time))", "key=lambda r: r.priority)",
+           "the PRIORITY waiting queue orders by priority alone: a preempted request goes "
+           "behind later arrivals of its priority",
+           "§6.1: PRIORITY waits in (priority, arrival_time) order, preempted or not"),
     # -- §6.3: preemption by recompute ----------------------------------------------------
     Mutant("fcfs_victim_first_running", SCHED,
            "return self.running[-1]", "return self.running[0]",
@@ -183,14 +198,25 @@ MUTANTS = [
            "allocation takes the most recently freed block (evicts the hottest prefix)",
            "§5: least recently freed cached blocks are evicted first"),
     Mutant("uncached_blocks_not_taken_first", BM,
-           "                if block.block_hash is None:\n"
-           "                    self.free_blocks.move_to_end(block_id, last=False)\n", "",
+           "        for block_id in reversed(unhashed):  # the run's last block first, so its "
+           "first leads\n            self.free_blocks.move_to_end(block_id, last=False)\n", "",
            "freed blocks holding nothing reusable are not taken before cached ones",
            "§5: evict cached prefixes only when no empty block is left"),
     Mutant("free_head_first", BM,
            "for block_id in reversed(req.block_table):", "for block_id in req.block_table:",
            "a freed request's prefix head is evicted before its tail",
            "§5: among one request's cached blocks, the prefix head is evicted last"),
+    Mutant("uncached_blocks_prepended_one_by_one", BM,
+           "                    unhashed.append(block_id)\n",
+           "                    self.free_blocks.move_to_end(block_id, last=False)\n",
+           "a freed request's unhashed blocks reach the front one at a time: head first, "
+           "its tail reused last",
+           "§5 (vLLM's BlockPool.free_blocks): unhashed blocks go to the front as one run, "
+           "tail first"),
+    Mutant("resumed_lookup_counted_as_first", BM,
+           "            if req.num_preemptions:\n", "            if False:\n",
+           "a resumed request's prefix lookup counts in prefix_cache_hit_rate",
+           "§5 (vLLM's PrefixCacheStats): resumptions go to the preempted_* counters"),
     Mutant("revived_blocks_counted_as_room", BM,
            "num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)",
            "num_revived = 0",
@@ -235,6 +261,10 @@ MUTANTS = [
            "generators[i] or self.generator", "self.generator",
            "a seeded request draws from the engine's generator",
            "seed: a request's draws are reproducible, whatever its batch"),
+    Mutant("seeded_row_uses_batch_row_generator", SAMPLER,
+           "generators[i] or self.generator", "generators[j] or self.generator",
+           "a sampled row draws from the generator of the j-th batch row, not its own request's",
+           "seed: each request draws from its own generator, whatever rows precede it"),
     Mutant("sampled_row_mixed_up", SAMPLER,
            "probs[j], 1, generator=", "probs[i], 1, generator=",
            "a sampled row draws from another row's probabilities",

@@ -7,13 +7,13 @@ budgets 1..64, max_num_seqs 1..8, fcfs/priority/static, chunked prefill and pref
 on/off.
 
 After EVERY step the chapter's rules hold (`check_step`: nothing admitted in a step that
-preempted, tokens scheduled <= token_budget, chunks <= long_prefill_token_threshold,
-running <= max_num_seqs) and the block accounting is exact (`check_invariants`, including:
-every hashed block lies inside its request's computed tokens). At the end every request
-that was not aborted has exactly the tokens `expected_output` gives; the FakeRunner derives
-each token from the KV it reads back through the block table, so no KV was lost, written
-to a wrong slot, reused stale or skipped. All blocks are free, and the run took a bounded
-number of steps (no livelock).
+preempted, tokens scheduled <= token_budget, chunks <= long_prefill_token_threshold when
+requests compete, running <= max_num_seqs) and the block accounting is exact
+(`check_invariants`, including: every hashed block lies inside its request's computed
+tokens). At the end every request that was not aborted has exactly the tokens
+`expected_output` gives; the FakeRunner derives each token from the KV it reads back
+through the block table, so no KV was lost, written to a wrong slot, reused stale or
+skipped. All blocks are free, and the run took a bounded number of steps (no livelock).
 
 Two deterministic tests check that prefix caching actually hits, and that a preempted
 request resumes from its own cached blocks when they were not evicted.
@@ -78,12 +78,13 @@ def check_invariants(sched: Scheduler) -> None:
         assert r.block_table == [] and r.num_computed_tokens == 0
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    """§6.2's rules for one schedule() step, as the chapter states them."""
+def check_step(sched: Scheduler, out: SchedulerOutput, num_requests: int) -> None:
+    """§6.2's rules for one schedule() step, as the chapter states them. `num_requests`:
+    running or waiting when the step began (the chunk cap protects the others)."""
     config = sched.config
     assert out.token_budget == config.max_num_batched_tokens
     assert out.num_scheduled_tokens <= out.token_budget, "over the token budget"
-    cap = config.long_prefill_token_threshold or out.token_budget
+    cap = (num_requests > 1 and config.long_prefill_token_threshold) or out.token_budget
     batch = [id(s.request) for s in out.scheduled]
     assert len(set(batch)) == len(batch), "a request twice in one step"
     for s in out.scheduled:
@@ -159,10 +160,11 @@ def run_workload(w: dict) -> FakeEngine:
                 finished[got.request_id] = got
         check_invariants(sched)
         if sched.has_unfinished_requests():
+            num_requests = len(sched.running) + len(sched.waiting)
             for req in eng.step():
                 assert req.request_id not in finished, "a request finished twice"
                 finished[req.request_id] = req
-            check_step(sched, eng.outputs[-1])
+            check_step(sched, eng.outputs[-1], num_requests)
             check_invariants(sched)
         step += 1
         assert step <= max_steps, f"no progress after {step} steps (livelock?)"

@@ -190,6 +190,19 @@ def test_seeded_draws_are_reproducible_and_independent_of_the_batch():
     assert seeded_draws(seed=8, engine_seed=0, neighbours=0) != first
 
 
+def test_a_seeded_row_draws_from_its_own_generator_after_a_greedy_row():
+    """Rows 1 and 2 are seeded, row 0 greedy: the sampled rows' positions among the sampled
+    rows (0, 1) are not their batch rows (1, 2), and each must still draw from its own
+    request's generator, exactly as alone."""
+    logits = torch.zeros(3, 64)  # uniform over 64 tokens: every draw matters
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=7), SamplingParams(seed=8)]
+    gens = [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    batched = [Sampler(0)(logits, params, gens)[1:] for _ in range(8)]
+    alone = {s: seeded_draws(seed=s, engine_seed=0, neighbours=0) for s in (7, 8)}
+    assert [t for t, _ in batched] == alone[7]
+    assert [t for _, t in batched] == alone[8]
+
+
 def test_unseeded_draws_follow_the_engine_seed():
     logits = torch.zeros(16, 64)
     params = [SamplingParams()] * 16
