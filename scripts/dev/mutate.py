@@ -34,19 +34,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Model-free tests first, then those that build a tiny LLM: with -x the first failing test
 # ends the run. A mutant's own module's tests go first (see `ordered`).
-FAST_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_vllm.py",
-              "tests/test_block_manager.py", "tests/test_sampler.py",
-              "tests/test_sampling.py", "tests/test_stop_tokens.py", "tests/test_properties.py",
-              "tests/test_abort.py", "tests/test_validation.py", "tests/test_cpu_fused.py",
-              "tests/test_cpu_linear.py", "tests/test_cpu_attention.py"]
-FIRST = {"nanoserve/layers/sampler.py": ["tests/test_sampler.py", "tests/test_sampling.py"],
-         "nanoserve/engine/block_manager.py": ["tests/test_block_manager.py",
-                                               "tests/test_scheduler_vllm.py"],
-         "nanoserve/layers/cpu_fused.c": ["tests/test_cpu_fused.py"],
-         "nanoserve/layers/cpu_linear.c": ["tests/test_cpu_linear.py"],
-         "nanoserve/layers/cpu_attention.c": ["tests/test_cpu_attention.py"],
-         "nanoserve/engine/model_runner.py": ["tests/test_cpu_fused.py"],
-         "nanoserve/layers/cpu_kernels.h": ["tests/test_cpu_fused.py"]}
+FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py",
+              "tests/core/test_sampler.py", "tests/core/test_sampling.py",
+              "tests/core/test_stop_tokens.py", "tests/core/test_properties.py",
+              "tests/core/test_abort.py", "tests/core/test_validation.py",
+              "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
+              "tests/accel/test_fast_path.py"]
+FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
+                                         "tests/core/test_sampling.py"],
+         "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
+         "nanoserve/accel/csrc/linear.c": ["tests/accel/test_linear.py"],
+         "nanoserve/accel/csrc/attention.c": ["tests/accel/test_paged_attention.py"],
+         "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
+         "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
+         "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -54,8 +55,9 @@ BM = "nanoserve/engine/block_manager.py"
 RUNNER = "nanoserve/engine/model_runner.py"
 SAMPLER = "nanoserve/layers/sampler.py"
 QUEUE = "nanoserve/engine/waiting_queue.py"
-FUSED, GEMM = "nanoserve/layers/cpu_fused.c", "nanoserve/layers/cpu_linear.c"
-ATTN = "nanoserve/layers/cpu_attention.c"
+GEMM, ATTN = "nanoserve/accel/csrc/linear.c", "nanoserve/accel/csrc/attention.c"
+HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
+DISPATCH = "nanoserve/accel/linear.py"
 
 
 @dataclass(frozen=True)
@@ -269,19 +271,7 @@ MUTANTS = [
            "probs[j], 1, generator=", "probs[i], 1, generator=",
            "a sampled row draws from another row's probabilities",
            "each row samples from its own logits"),
-    # -- the optimized CPU path's kernels compute what the reader's torch computes ----------
-    Mutant("rope_sign_flipped", FUSED,
-           "load(cos, c + i, bf16), bf16) -", "load(cos, c + i, bf16), bf16) +",
-           "the C RoPE rotates the first half the wrong way",
-           "the fused kernels equal decoder.py's torch"),
-    Mutant("silu_sigmoid_swapped", FUSED,
-           "(g >= 0.f ? 1.f : e)", "(g >= 0.f ? e : 1.f)",
-           "the C SiLU takes sigmoid(-g) for one sign of g",
-           "the fused kernels equal decoder.py's torch"),
-    Mutant("argmax_nan_missed", FUSED,
-           "      nan8 |= v != v;\n", "",
-           "the C argmax misses a NaN outside the last few columns",
-           "a NaN row fails its request (the sampler's check), as with torch.argmax"),
+    # -- the fast paths compute what the reader's torch computes -----------------------------
     Mutant("gemm_prefetch_pass_skips_k", GEMM,
            "k < k0 + passes && k < K;", "k < k0 + passes - 1 && k < K;",
            "the prefetching GEMM loop skips one k in every `passes`",
@@ -291,10 +281,6 @@ MUTANTS = [
            "gemm_block(x, w, panel, bias, y, M, N, K, p, m0, 4, 0, 0, pass,",
            "the fp32 GEMM's 5-row block computes only 4 of its rows",
            "§1: the packed GEMM equals nn.Linear"),
-    Mutant("gemm_group_panel_off_by_one", GEMM,
-           "while (p >= ns[i] / 16)", "while (p > ns[i] / 16)",
-           "a grouped GEMM call gives one linear's first panel to the one before",
-           "q, k, v in one GEMM call compute what each computes alone"),
     Mutant("decode_reads_past_the_cache", ATTN,
            "if (id < 0 || id >= num_blocks) return b;", "if (id < 0) return b;",
            "the C decode kernel reads a block id past the cache",
@@ -303,14 +289,6 @@ MUTANTS = [
            "if (slots[i] < 0 || slots[i] >= num_slots) return i;", "if (slots[i] < 0) return i;",
            "the C cache write takes a slot past the cache",
            "a bad slot is a ValueError, never a write outside the cache"),
-    Mutant("fused_ops_in_fp16", RUNNER,
-           "if self.dtype in cpu_attention.DTYPES:", "if True:",
-           "the float32/bf16 kernels are swapped in for a float16 model",
-           "the kernels read only the dtypes they were written for"),
-    Mutant("bf16_results_not_rounded", "nanoserve/layers/cpu_kernels.h",
-           "  if (!bf16) return x;", "  if (bf16 || !bf16) return x;",
-           "the bf16 element-wise kernels round once at the end, not where torch's ops round",
-           "the optimized path computes what the eager one does, in bf16 too"),
     Mutant("gemm_widened_panel_is_panel_0", GEMM,
            "wide[j] = load(w, panel + j, 1);", "wide[j] = load(w, j, 1);",
            "the bf16 GEMM widens the first panel for every panel of a multi-pass call",
@@ -324,15 +302,27 @@ MUTANTS = [
            "rows[i] = row_floats(cache, offsets[t], row, bf16, tmp + i * row);",
            "the bf16 decode kernel reads each tile of 4 tokens as its first token's K and V",
            "§5: the decode kernel equals naive attention"),
-    Mutant("sum8_adds_a_lane_twice", "nanoserve/layers/cpu_kernels.h",
+    Mutant("sum8_adds_a_lane_twice", HEADER,
            "a + __builtin_shufflevector(a, a, 1, 0, 3, 2);",
            "a + __builtin_shufflevector(a, a, 2, 0, 3, 2);",
            "the 8-lane sum that every kernel's dot product ends with adds one lane twice",
            "§5: the decode kernel equals naive attention"),
-    Mutant("freed_buffers_returned_to_the_os", RUNNER,
-           "            cpu_kernels.keep_freed_memory()", "            pass",
-           "the CPU runner leaves glibc to page-fault each step's large buffers in again",
-           "the runner removes the costs it names"),
+    Mutant("freed_buffers_returned_to_the_os", ACCEL,
+           "    kernels.keep_freed_memory()", "    pass",
+           "the CPU fast path leaves glibc to page-fault each step's large buffers in again",
+           "the fast path removes the costs it names"),
+    Mutant("decode_kernel_not_bound", ACCEL,
+           "            attn.bind(attn.k_cache, attn.v_cache, runner.backend)", "            pass",
+           "the layers keep the twin although the runner names the decode kernel",
+           "the fast path swaps in what it says it does"),
+    Mutant("bf16_gemm_ignores_native_units", DISPATCH,
+           "dtype == torch.bfloat16 and cpu.has_native_bf16()", "dtype == torch.bfloat16",
+           "bf16 goes to oneDNN even where the CPU must emulate it",
+           "each CPU gets the GEMM measured faster on it"),
+    Mutant("fast_path_in_eager_mode", RUNNER,
+           "        if not config.enforce_eager:\n", "        if True:\n",
+           "enforce_eager=True still swaps in the fast paths",
+           "the reader's plain path is one flag away"),
 ]
 
 

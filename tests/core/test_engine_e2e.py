@@ -2,7 +2,7 @@
 token-identical to HF transformers `generate`, run one prompt at a time (fp32, CPU),
 under every scheduling situation the chapter describes: plain continuous batching, KV
 pressure with preemption by recompute, chunked prefills, prefix-cache hits, PRIORITY,
-and static batching."""
+and static batching. The other tests run the default (fast) path."""
 
 from __future__ import annotations
 
@@ -82,8 +82,11 @@ def check(outputs, prompts, expected):
         assert out.token_ids == expected[tuple(prompt)], f"prompt {prompt[-8:]} differs"
 
 
-def test_default_config(reference):
-    llm = LLM(dtype="float32")  # HF identity is an fp32 promise; "auto" may pick bf16
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["plain path", "fast path"])
+def test_default_config(reference, enforce_eager):
+    # HF identity is an fp32 promise ("auto" may pick bf16), on the reader's plain path (the
+    # decoder as written) and on the default one (nanoserve/accel/ swapped in).
+    llm = LLM(dtype="float32", enforce_eager=enforce_eager)
     # The long-system prompts span two of the default 128-token blocks on a CPU.
     prompts = reference["prompts"] + reference["shared"]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

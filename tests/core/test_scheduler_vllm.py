@@ -5,12 +5,12 @@ PRIORITY ties broken by arrival. Model-free: the FakeEngine and the BlockManager
 
 from __future__ import annotations
 
-from fake_engine import FakeEngine, expected_output
+from nanoserve.engine.sequence import Request, RequestStatus
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.sequence import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
+from tests.common.fake_engine import FakeEngine, expected_output
 
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:

@@ -1,0 +1,81 @@
+"""The fast paths' one entry point: `optimize` is found through the entry point and swaps whole
+modules on the default path only; `enforce_eager=True` leaves the reader's plain torch model
+untouched and the process as it was; the chapter core imports nothing from nanoserve/accel/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanoserve
+from nanoserve import LLM
+from nanoserve.accel import kernels, optimize
+from nanoserve.accel.linear import OneDNNLinear, PackedLinear, linear_kind
+from nanoserve.engine.model_runner import fast_paths, prepare_inputs
+from tests.common.tiny_model import tiny_model_dir
+
+CORE = Path(nanoserve.__file__).parent
+
+
+def test_the_core_imports_nothing_from_the_fast_paths():
+    offenders = [f"{path.relative_to(CORE)}:{n}" for path in CORE.rglob("*.py")
+                 if "accel" not in path.relative_to(CORE).parts
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"\b(import|from)\b.*\baccel\b", line)]
+    assert offenders == []
+
+
+def test_optimize_is_found_through_the_entry_point():
+    assert optimize in fast_paths()
+
+
+@pytest.fixture
+def freed_memory_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "keep_freed_memory", lambda: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_calls, dtype):
+    llm = LLM(tiny_model_dir(), dtype=dtype, num_kv_blocks=8, skip_tokenizer_init=True)
+    runner = llm.model_runner
+    linears = [m for m in runner.model.modules() if isinstance(m, (PackedLinear, OneDNNLinear))]
+    expected = PackedLinear if linear_kind(runner.dtype, True) == "c" else OneDNNLinear
+    assert linears and all(type(m) is expected for m in linears)
+    assert not any(type(m) is nn.Linear for m in runner.model.modules())
+    backend = "torch+cpu-decode" if kernels.compile_kernels() else "torch"
+    assert runner.backend.name == backend
+    assert all(a.backend is runner.backend for a in runner.attn_layers)  # re-bound
+    assert freed_memory_calls == [1]
+
+
+def test_enforce_eager_is_the_plain_model(freed_memory_calls):
+    llm = LLM(tiny_model_dir(), dtype="float32", enforce_eager=True, num_kv_blocks=8,
+              skip_tokenizer_init=True)
+    runner = llm.model_runner
+    assert not any(isinstance(m, (PackedLinear, OneDNNLinear)) for m in runner.model.modules())
+    assert runner.backend.name == "torch" and freed_memory_calls == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_and_plain_models_agree(dtype):
+    """One prefill step of three prompts: the same logits within rounding, whichever GEMM this
+    CPU gets (greedy-token identity is tested in fp32 end to end: tests/core/test_engine_e2e.py)."""
+    logits = {}
+    for eager in (True, False):
+        llm = LLM(tiny_model_dir(), dtype=dtype, enforce_eager=eager, num_kv_blocks=16,
+                  block_size=16, skip_tokenizer_init=True)
+        for n in (3, 20, 9):
+            llm.add_request([7] * n)
+        runner = llm.model_runner
+        inputs = prepare_inputs(llm.scheduler.schedule(), runner.block_size, runner.device)
+        with torch.inference_mode():
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            logits[eager] = runner.model.compute_logits(hidden).float()
+    tol = 1e-4 if dtype == "float32" else 5e-2 * logits[True].abs().max().item()
+    torch.testing.assert_close(logits[False], logits[True], atol=tol, rtol=0)
