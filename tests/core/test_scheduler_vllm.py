@@ -5,9 +5,8 @@ PRIORITY ties broken by arrival. Model-free: the FakeEngine and the BlockManager
 
 from __future__ import annotations
 
-from nanoserve.engine.sequence import Request, RequestStatus
-
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 from tests.common.fake_engine import FakeEngine, expected_output
