@@ -78,8 +78,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def resolve_block_size(backend_name: str, block_size: int | None, device: str) -> int:
     """flash-attn's paged KV needs multiples of 256 tokens; the torch twins, any. Defaults are
-    vLLM's: 16 on CUDA; 128 on a CPU, where a block is one contiguous run of the cache and 16
-    tokens (12 KB of K a layer) stream slower (decode attention at 64 rows: 0.77x with 128)."""
+    vLLM's: 16 on CUDA; 128 on a CPU, where a block is one contiguous run of the cache and short
+    runs stream slower through decode attention."""
     if backend_name == "flash-attn":
         if block_size is not None and block_size % 256 != 0:
             raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "

@@ -15,7 +15,8 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import prepare_inputs
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.trace import Tracer
 
@@ -62,7 +63,7 @@ class KVReadingRunner:
 
 
 @dataclass
-class Job:
+class SimRequest:
     """A request of exactly `output_len` tokens (EOS ignored), due from step `arrival_step + 1`."""
 
     name: str  # one character: the request's letter in the grid
@@ -105,8 +106,9 @@ class Simulation:
                 f"({idle / total:.2%}), empty {total - useful - idle}")
 
 
-def simulate(jobs: list[Job], policy: str = "fcfs", num_slots: int = 4, num_blocks: int = 256,
-             block_size: int = 4, token_budget: int = 256, trace: str | None = None) -> Simulation:
+def simulate(jobs: list[SimRequest], policy: str = "fcfs", num_slots: int = 4,
+             num_blocks: int = 256, block_size: int = 4, token_budget: int = 256,
+             trace: str | None = None) -> Simulation:
     """`trace`: also append the run to this JSON-lines file (nanoserve/trace.py)."""
     config = EngineConfig(max_num_seqs=num_slots, max_num_batched_tokens=token_budget,
                           max_model_len=num_blocks * block_size, scheduling_policy=policy,

@@ -21,7 +21,8 @@ from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams, as_token_id, is_int
 from nanoserve.trace import Tracer
@@ -45,7 +46,7 @@ class LLM:
         self.scheduler = make_scheduler(self.config, self.model_runner.num_kv_blocks,
                                         self.config.block_size)
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
-        self.tracer: Tracer | None = None  # JSON lines of every step (issue 11)
+        self.tracer: Tracer | None = None  # JSON lines of every step (trace.py)
         if self.config.trace_file is not None:
             self.trace_to(self.config.trace_file)
         self.num_steps = 0

@@ -212,10 +212,3 @@ class Scheduler:
         req.finish_time = time.monotonic()
         return req
 
-
-def make_scheduler(config: EngineConfig, num_kv_blocks: int, block_size: int) -> Scheduler:
-    if config.scheduling_policy == "static":
-        from nanoserve.engine.static_scheduler import StaticScheduler
-
-        return StaticScheduler(config, num_kv_blocks, block_size)
-    return Scheduler(config, num_kv_blocks, block_size)

@@ -64,3 +64,9 @@ class StaticScheduler(Scheduler):
                     self.block_manager.free(req)
                 return None
         return super().abort(request_id)
+
+
+def make_scheduler(config: EngineConfig, num_kv_blocks: int, block_size: int) -> Scheduler:
+    """The scheduler the policy names: this baseline, or vLLM V1's (FCFS, PRIORITY)."""
+    cls = StaticScheduler if config.scheduling_policy == "static" else Scheduler
+    return cls(config, num_kv_blocks, block_size)

@@ -17,20 +17,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanoserve.simulator import Job, Simulation, simulate
+from nanoserve.simulator import SimRequest, Simulation, simulate
 
 # The chapter's figures: jobs (name, prompt length, output length, arrival step), slots,
 # KV blocks of 4 tokens, and what the figure shows.
-FIGURES: dict[str, tuple[list[Job], int, int, str]] = {
-    "chapter2": ([Job("A", 4, 20), Job("B", 4, 500), Job("C", 4, 100)], 3, 256,
+FIGURES: dict[str, tuple[list[SimRequest], int, int, str]] = {
+    "chapter2": ([SimRequest("A", 4, 20), SimRequest("B", 4, 500), SimRequest("C", 4, 100)], 3, 256,
                  "§2: three requests in one batch over 500 steps"),
-    "chapter2-example": ([Job(n, 4, k) for n, k in zip("ABCDEFGH", (20, 500, 30, 40, 50, 60,
+    "chapter2-example": ([SimRequest(n, 4, k) for n, k in zip("ABCDEFGH", (20, 500, 30, 40, 50, 60,
                          70, 80))], 8, 256, "§2: 8 requests, the longest 500 steps, the "
                          "other 7 averaging 50"),
-    "chapter3": ([Job("A", 4, 3), Job("B", 4, 10), Job("C", 4, 5), Job("D", 4, 7),
-                  Job("E", 4, 5, 2), Job("F", 4, 4, 3), Job("G", 4, 6, 4)], 4, 256,
+    "chapter3": ([SimRequest("A", 4, 3), SimRequest("B", 4, 10), SimRequest("C", 4, 5),
+                  SimRequest("D", 4, 7), SimRequest("E", 4, 5, 2), SimRequest("F", 4, 4, 3),
+                  SimRequest("G", 4, 6, 4)], 4, 256,
                  "§3: 4 slots; A-D arrive together, E, F, G later; B ends at step 10"),
-    "preemption": ([Job("A", 4, 6), Job("B", 4, 9), Job("C", 4, 8), Job("D", 4, 4, 2)], 3, 6,
+    "preemption": ([SimRequest("A", 4, 6), SimRequest("B", 4, 9), SimRequest("C", 4, 8),
+                    SimRequest("D", 4, 4, 2)], 3, 6,
                    "§6.3: a KV pool of 6 blocks of 4 tokens; D arrives at step 2"),
 }
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import SchedulerOutput, make_scheduler
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.simulator import KVReadingRunner, next_token
 

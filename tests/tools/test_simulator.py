@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.simulator import Job, next_token, simulate
+from nanoserve.simulator import SimRequest, next_token, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "reader"))  # a script
 from simulate import FIGURES, run_figure  # noqa: E402
@@ -88,7 +88,7 @@ def test_preemption_victim_is_the_last_admitted_and_recomputes():
 def test_victim_is_last_admitted_not_last_named():
     """The victim is whoever joined `running` last: here A, which arrived a step after B
     and C (a rule that picked by name, length or seat would choose differently)."""
-    jobs = [Job("B", 4, 8), Job("C", 4, 8), Job("A", 4, 8, arrival_step=1)]
+    jobs = [SimRequest("B", 4, 8), SimRequest("C", 4, 8), SimRequest("A", 4, 8, arrival_step=1)]
     sim = simulate(jobs, "fcfs", num_slots=3, num_blocks=6)
     victims = [p["request"] for rec in sim.records for p in rec["preempted"]]
     assert victims and victims[0] == "A"
@@ -119,4 +119,4 @@ def test_simulator_is_deterministic_and_checks_its_config():
     assert [s.records for s in a] == [s.records for s in b]
     assert next_token([1, 2, 3]) != next_token([3, 2, 1])  # order matters to the stand-in
     with pytest.raises(ValueError, match="max_num_seqs"):
-        simulate([Job("A", 4, 2)], num_slots=0)
+        simulate([SimRequest("A", 4, 2)], num_slots=0)
