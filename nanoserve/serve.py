@@ -327,7 +327,7 @@ class Server:
             req = model.model_validate(body)
         except ValidationError as e:
             err = e.errors()[0]
-            param = ".".join(str(x) for x in err["loc"]) or None
+            param = str(err["loc"][0]) if err["loc"] else None
             raise APIError(f"{param}: {err['msg']}", param) from None
         params, prompt_ids = await self.to_engine_input(req, chat, prompt_field)
         collector, streaming = Collector(), False
@@ -422,9 +422,10 @@ class Server:
     def tokenize(self, prompt: Any, chat: bool) -> list[int]:
         """On the tokenizer thread. Token ids pass through (the engine checks their range)."""
         if chat:
+            messages = [chat_message(m) for m in prompt]
             try:
                 return self.llm.tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             except Exception as e:  # a template error: the messages do not fit it
                 raise APIError(f"messages do not fit the chat template: {e}", "messages") from e
         return self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -454,6 +455,18 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             self.engine.abort(collector)
+
+
+def chat_message(message: dict) -> dict:
+    """{"role", "content"}; content parts ({"type": "text", "text"}) are joined, as in vLLM."""
+    role, content = message.get("role"), message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise APIError("messages must each have a string role and a text content, got "
+                       f"{message!r:.200}", "messages")
+    return {**message, "role": role, "content": content}
 
 
 async def _disconnected(request: Request) -> None:
