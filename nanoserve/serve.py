@@ -525,13 +525,15 @@ def main(argv: list[str] | None = None) -> None:
     engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                     "block_size", "num_kv_blocks", "kv_cache_memory_gib",
                     "long_prefill_token_threshold", "scheduling_policy", "attention_backend",
-                    "seed", "trace_file", "enable_prefix_caching", "enable_chunked_prefill",
+                    "seed", "enable_prefix_caching", "enable_chunked_prefill",
                     "enforce_eager")
     config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}
     try:
         llm = LLM(args.model, **config)
     except ValueError as e:
         sys.exit(f"nanoserve serve: {e}")
+    if args.trace_file is not None:  # every served step, for scripts/trace_page.py
+        llm.trace_to(args.trace_file, source="serve")
     name = args.served_model_name or args.model or MODEL_NAME
     server = Server(llm, name, args.api_key)
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "

@@ -34,6 +34,9 @@ from transformers import AutoTokenizer
 from nanoserve import LLM, SamplingParams
 from nanoserve.utils.bundled import default_model_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from trace_page import build_page, read_runs  # noqa: E402
+
 MAX_MODEL_LEN = 2048  # long requests, so a disconnect surely comes before their end
 TINY_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
               "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
@@ -386,8 +389,12 @@ def test_stop_string_never_leaks_into_the_stream(bundled_server):
 # -- API key and shutdown -------------------------------------------------------------------
 
 
-def test_api_key_and_sigterm_finishes_in_flight_then_exits_0():
-    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--api-key", "sesame"])
+def test_api_key_sigterm_and_trace_file(tmp_path):
+    """401 without the key; SIGTERM lets the in-flight request finish, then exit 0; the served
+    steps are in --trace-file, which scripts/trace_page.py reads."""
+    trace = tmp_path / "served.jsonl"
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN),
+                      [*TINY_FLAGS, "--api-key", "sesame", "--trace-file", str(trace)])
     try:
         for key in ("wrong", None):
             headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -411,6 +418,11 @@ def test_api_key_and_sigterm_finishes_in_flight_then_exits_0():
             httpx.get(s.base + "/health", timeout=2)
     finally:
         s.stop()
+    [run] = read_runs(trace)
+    assert run["header"]["source"] == "serve" and len(run["steps"]) >= 300
+    assert [f["reason"] for st in run["steps"] for f in st["finished"]] == ["length"]
+    assert all(a["t_s"] <= b["t_s"] for a, b in zip(run["steps"], run["steps"][1:]))
+    assert "__TRACE_DATA__" not in build_page([run], "served")
 
 
 def test_console_script_help():
