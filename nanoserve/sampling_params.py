@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import operator
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,11 +27,21 @@ def as_token_id(value: object) -> int | None:
         return None
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what `step()` returns for a request. FINAL_ONLY: one output when it finishes.
+    DELTA: every step, the new tokens and text since the last output (a server streams them)."""
+
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops. temperature below 1e-5 means greedy (argmax).
     top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the request its own generator:
-    reproducible for the same batch schedule (README: what is guaranteed). The engine copies it."""
+    reproducible for the same batch schedule (README: what is guaranteed). `stop` strings end a
+request where they appear in its text, cut off unless include_stop_str_in_output (vLLM's
+semantics, engine/detokenizer.py). One sequence per request (n=1). The engine copies it."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,6 +50,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # a str is a list of one
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +77,14 @@ class SamplingParams:
         # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias others.
         need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
              "seed", "None or an integer in [0, 2**64)")
+        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+             "stop", "a string or a list of non-empty strings")
+        need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+             "a bool")
+        need(is_int(self.n) and self.n == 1, "n", "1 (one sequence per request)")
+        need(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+             "a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ preemption."""
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class Tracer:
                        "num_blocks": num_blocks, "block_size": block_size, "source": source}
         self.seats: dict[str, int] = {}  # request_id -> seat
         self.num_steps = 0
+        self.start = time.monotonic()  # t_s: when a measured step ended (served traffic's gaps)
 
     def step_record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                     time_ms: float | None = None) -> dict[str, Any]:
@@ -60,6 +62,7 @@ class Tracer:
         record = {
             "type": "step", "step": self.num_steps,
             "time_ms": None if time_ms is None else round(time_ms, 3),
+            "t_s": None if time_ms is None else round(time.monotonic() - self.start, 3),
             "token_budget": out.token_budget, "num_scheduled_tokens": out.num_scheduled_tokens,
             "num_waiting": len(scheduler.waiting), "num_running": len(scheduler.running),
             "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,

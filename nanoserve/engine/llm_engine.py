@@ -2,7 +2,8 @@
 
 `LLM.step()` is one turn of that loop and the only place the three parts meet:
     scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
-`generate()` is just "add every prompt, then step until nothing is left"."""
+`generate()` is just "add every prompt, then step until nothing is left". A server (serve.py)
+runs the same loop, adding and aborting between steps; its requests ask for DELTA outputs."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from nanoserve.config import EngineConfig, resolve_config
+from nanoserve.engine.detokenizer import Detokenizer
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.models.loader import load_config
-from nanoserve.sampling_params import SamplingParams, as_token_id, is_int
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
 from nanoserve.trace import Tracer
 from nanoserve.utils.bundled import default_model_dir
 
@@ -53,6 +55,7 @@ class LLM:
         self.last_scheduler_output: SchedulerOutput | None = None
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
         self._ids = itertools.count()
+        self._detokenizers: dict[str, Detokenizer] = {}  # of every unfinished request
 
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
         ids = [getattr(hf_config, "eos_token_id", None),
@@ -96,6 +99,8 @@ class LLM:
                              f"{type(params).__name__}")
         params = copy.deepcopy(params)  # ours: the user's later changes have no effect
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")
         if not is_int(priority):
             raise ValueError(f"priority must be an int, got {priority!r}")
         return Request(str(next(self._ids)), token_ids, params, self.eos_token_ids,
@@ -104,7 +109,10 @@ class LLM:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> str:
         """Queue one request (a str or token ids); returns its request_id."""
-        req = self._make_request(prompt, sampling_params or SamplingParams(), priority)
+        return self._add(self._make_request(prompt, sampling_params or SamplingParams(), priority))
+
+    def _add(self, req: Request) -> str:
+        self._detokenizers[req.request_id] = Detokenizer(self.tokenizer, req.sampling_params)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -130,7 +138,8 @@ class LLM:
                              bm.num_blocks, bm.block_size, source)
 
     def step(self) -> list[RequestOutput]:
-        """One turn of the loop (§4); returns the requests that finished (or were aborted)."""
+        """One turn of the loop (§4); returns the requests that finished (or were aborted),
+        and, for those that asked for DELTA outputs, what each running one got this step."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[Request] = []
@@ -141,6 +150,7 @@ class LLM:
             # (A step that only preempted is progress: a request evicted itself.)
             raise RuntimeError("the scheduler could schedule nothing although requests are "
                                "pending; this is a bug (it would otherwise hang)")
+        deltas = self._detokenize(out, finished)
         self.num_steps += 1
         self.last_scheduler_output = out
         if self.tracer is not None:
@@ -148,7 +158,23 @@ class LLM:
         if self.trace:
             print(self._trace_line(out, finished), file=sys.stderr)
         outputs, self._pending = self._pending, []
-        return outputs + [self._output(r) for r in finished]
+        return outputs + [self._output(r) for r in deltas + finished]
+
+    def _detokenize(self, out: SchedulerOutput, finished: list[Request]) -> list[Request]:
+        """Detokenize; a stop string finishes its request. Returns the DELTAs to output."""
+        deltas = []
+        for entry in out.scheduled:
+            req = entry.request
+            if not entry.samples or not (d := self._detokenizers[req.request_id]).incremental:
+                continue
+            if d.update(req) and req.finish_reason != FinishReason.ERROR:
+                if not req.is_finished:
+                    self.scheduler.abort(req.request_id)  # frees its blocks now, as a finish
+                    finished.append(req)
+                req.finish_reason = FinishReason.STOP
+            elif d.delta and not req.is_finished:
+                deltas.append(req)
+        return deltas
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -170,7 +196,8 @@ class LLM:
                                  f"{len(prompts)} prompts")
         requests = [self._make_request(p, sp, 0) for p, sp in zip(prompts, params)]
         for req in requests:  # all validated: only now does engine state change
-            self.scheduler.add_request(req)
+            req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY  # one output each
+            self._add(req)
         mine = {r.request_id for r in requests}
         results: dict[str, RequestOutput] = {}
         strays: list[RequestOutput] = []
@@ -193,6 +220,7 @@ class LLM:
         except BaseException:
             for req in requests:  # leave nothing of ours behind holding KV blocks
                 self.scheduler.abort(req.request_id, drop_finished=True)
+                self._detokenizers.pop(req.request_id, None)
             raise
         finally:
             bar.close()
@@ -200,12 +228,13 @@ class LLM:
         return [results[r.request_id] for r in requests]
 
     def _output(self, req: Request) -> RequestOutput:
+        d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)
+        text, token_ids, stop_reason = d.output(req)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            if self.tokenizer is not None else "",
-            token_ids=req.output_token_ids, finish_reason=req.finish_reason.value, error=req.error,
-            metrics=RequestMetrics.from_request(req))
+            text=text, token_ids=token_ids, finish_reason=req.finish_reason and
+            req.finish_reason.value, error=req.error, metrics=RequestMetrics.from_request(req),
+            finished=req.is_finished, stop_reason=stop_reason)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager

@@ -33,11 +33,13 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
+    text: str  # DELTA outputs (SamplingParams.output_kind): the new text and tokens only
     token_ids: list[int]
-    finish_reason: str  # "stop", "length", "abort" or "error"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"; None: still running
     metrics: RequestMetrics
     error: str | None = None  # why, when finish_reason is "error"
+    finished: bool = True  # False: a DELTA output of a running request
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass

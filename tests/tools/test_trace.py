@@ -16,7 +16,8 @@ from tests.common.tiny_model import tiny_model_dir
 
 HEADER_TYPES = {"type": str, "name": str, "policy": str, "max_num_seqs": int,
                 "token_budget": int, "num_blocks": int, "block_size": int, "source": str}
-STEP_TYPES = {"type": str, "step": int, "time_ms": (float, type(None)), "token_budget": int,
+STEP_TYPES = {"type": str, "step": int, "time_ms": (float, type(None)), "t_s": (float, type(None)),
+              "token_budget": int,
               "num_scheduled_tokens": int, "num_waiting": int, "num_running": int,
               "num_free_blocks": int, "num_blocks": int, "rows": list, "admitted": list,
               "preempted": list, "finished": list}

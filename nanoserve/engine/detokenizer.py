@@ -1,0 +1,84 @@
+"""§4, "process outputs", for requests that arrive and leave while others run (a server): each
+step's new token becomes new text, and stop strings end a request (vLLM's semantics).
+
+Text is decoded incrementally (vLLM's prefix/read offsets): a token is decoded together with the
+tokens since the last complete character, and text is only emitted once it no longer ends in
+U+FFFD, so a multi-byte character split over tokens (an emoji, Vietnamese diacritics) comes out
+whole. A stop string is searched for only where the new text can complete it; the text is cut
+there (keeping the stop string if include_stop_str_in_output). While streaming, the last
+max(len(stop)) - 1 characters are held back: they may be the start of a stop string."""
+
+from __future__ import annotations
+
+from nanoserve.engine.request import FinishReason, Request
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class Detokenizer:
+    """One per request, owned by the engine; `incremental` ones decode every step."""
+
+    def __init__(self, tokenizer: object | None, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer  # None (skip_tokenizer_init): token ids only, text ""
+        self.delta = params.output_kind == RequestOutputKind.DELTA
+        self.incremental = self.delta or bool(params.stop)
+        self.stop, self.include_stop = params.stop, params.include_stop_str_in_output
+        self.stop_token_ids = params.stop_token_ids
+        self.holdback = max(map(len, self.stop)) - 1 if self.stop and not self.include_stop else 0
+        self.token_ids: list[int] = []  # the output tokens seen so far
+        self.text = ""  # their text, cut at a stop string
+        self.prefix_offset = self.read_offset = 0  # decode window: context, then unread tokens
+        self.stop_reason: str | None = None  # the stop string that ended the request
+        self.num_sent_tokens = self.num_sent_chars = 0  # what DELTA outputs already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, req: Request) -> str | None:
+        """Take `req`'s new output tokens; returns the stop string they completed, if any.
+        A finished request's undecodable tail (an incomplete character) is flushed as is."""
+        start = req.num_prompt_tokens + len(self.token_ids)
+        new_ids = req.token_ids[start:]
+        self.token_ids += new_ids
+        if self.tokenizer is None or self.stop_reason is not None:
+            return None
+        if not new_ids and not (req.is_finished and self.read_offset < len(self.token_ids)):
+            return None
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not req.is_finished):
+            return None  # nothing printable yet: wait for the rest of the character
+        new_text = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += new_text
+        return self._check_stop(len(new_text))
+
+    def _check_stop(self, num_new_chars: int) -> str | None:
+        for stop in self.stop:  # in the order given, as vLLM
+            # Only where the new text can complete it: earlier text was checked before.
+            start = max(0, len(self.text) - num_new_chars - len(stop) + 1)
+            if (i := self.text.find(stop, start)) != -1:
+                self.text = self.text[:i + len(stop) if self.include_stop else i]
+                self.stop_reason = stop
+                return stop
+        return None
+
+    def output(self, req: Request) -> tuple[str, list[int], int | str | None]:
+        """(text, token_ids, stop_reason) of the output `step()` returns now: everything for
+        FINAL_ONLY, what is new since the last output for DELTA (holding back a possible
+        stop string's start until the request finishes)."""
+        if req.is_finished:
+            self.update(req)  # an aborted request may have tokens not yet seen
+        if not self.incremental:  # decoded once, at the end
+            text = self._decode(req.output_token_ids) if self.tokenizer is not None else ""
+            self.text, self.token_ids = text, req.output_token_ids
+        stop_reason = self.stop_reason
+        if (stop_reason is None and req.finish_reason == FinishReason.STOP
+                and self.token_ids and self.token_ids[-1] in self.stop_token_ids):
+            stop_reason = self.token_ids[-1]  # vLLM: the stop token id (None for EOS)
+        if not self.delta:
+            return self.text, self.token_ids, stop_reason
+        end = len(self.text) if req.is_finished else len(self.text) - self.holdback
+        end = max(end, self.num_sent_chars)
+        text, self.num_sent_chars = self.text[self.num_sent_chars:end], end
+        ids, self.num_sent_tokens = self.token_ids[self.num_sent_tokens:], len(self.token_ids)
+        return text, ids, stop_reason
