@@ -86,3 +86,23 @@ class Tracer:
             with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
                 f.writelines(json.dumps(x) + "\n" for x in lines)
         return record
+
+
+def trace_line(step: int, out: SchedulerOutput, finished: list[Request],
+               scheduler: Scheduler) -> str:
+    """One printed line per step (`trace=True`), so a reader *sees* iteration-level scheduling."""
+    decode = [s.request.request_id for s in out.scheduled if s.is_decode]
+    # After update_from_output: the chunk ends at num_computed_tokens.
+    prefill = [f"{s.request.request_id}[{s.request.num_computed_tokens - s.num_new_tokens}:"
+               f"{s.request.num_computed_tokens})" for s in out.scheduled if not s.is_decode]
+    parts = [f"step {step:4d}", f"decode {' '.join(decode) or '-'}",
+             f"prefill {' '.join(prefill) or '-'}"]
+    events = {"idle": [r.request_id for r in out.idle_rows],
+              "PREEMPTED": [r.request_id for r in out.preempted],
+              "finished": [f"{r.request_id}({r.finish_reason.value})" for r in finished]}
+    parts += [f"{label} {' '.join(ids)}" for label, ids in events.items() if ids]
+    bm = scheduler.block_manager
+    parts += [f"budget {out.num_scheduled_tokens}/{out.token_budget}",
+              f"waiting {len(scheduler.waiting)}",
+              f"free blocks {bm.num_free_blocks}/{bm.num_blocks}"]
+    return " | ".join(parts)

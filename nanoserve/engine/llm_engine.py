@@ -27,7 +27,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
-from nanoserve.trace import Tracer
+from nanoserve.trace import Tracer, trace_line
 from nanoserve.utils.bundled import default_model_dir
 
 Prompt = str | list[int]
@@ -156,7 +156,7 @@ class LLM:
         if self.tracer is not None:
             self.tracer.record(out, finished, self.scheduler, (time.perf_counter() - start) * 1e3)
         if self.trace:
-            print(self._trace_line(out, finished), file=sys.stderr)
+            print(trace_line(self.num_steps, out, finished, self.scheduler), file=sys.stderr)
         outputs, self._pending = self._pending, []
         return outputs + [self._output(r) for r in deltas + finished]
 
@@ -240,20 +240,3 @@ class LLM:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.usage, bm.num_free_blocks,
                            s.num_preemptions, bm.prefix_cache_hit_rate, self.num_steps)
-
-    def _trace_line(self, out: SchedulerOutput, finished: list[Request]) -> str:
-        """One line per step, so a reader *sees* iteration-level scheduling."""
-        decode = [s.request.request_id for s in out.scheduled if s.is_decode]
-        # After update_from_output: the chunk ends at num_computed_tokens.
-        prefill = [f"{s.request.request_id}[{s.request.num_computed_tokens - s.num_new_tokens}:"
-                   f"{s.request.num_computed_tokens})" for s in out.scheduled if not s.is_decode]
-        parts = [f"step {self.num_steps:4d}", f"decode {' '.join(decode) or '-'}",
-                 f"prefill {' '.join(prefill) or '-'}"]
-        events = {"idle": [r.request_id for r in out.idle_rows],
-                  "PREEMPTED": [r.request_id for r in out.preempted],
-                  "finished": [f"{r.request_id}({r.finish_reason.value})" for r in finished]}
-        parts += [f"{label} {' '.join(ids)}" for label, ids in events.items() if ids]
-        bm, waiting = self.scheduler.block_manager, len(self.scheduler.waiting)
-        parts += [f"budget {out.num_scheduled_tokens}/{out.token_budget}", f"waiting {waiting}",
-                  f"free blocks {bm.num_free_blocks}/{bm.num_blocks}"]
-        return " | ".join(parts)
