@@ -6,7 +6,7 @@ is queued, and the engine goes on serving the good requests.
 Engine-setting errors are checked with `load_model` replaced by a function that fails the
 test, which proves they are raised before any weights are read.
 
-`python tests/test_validation.py` prints the "bad input -> error message" table.
+`PYTHONPATH=. python tests/core/test_validation.py` prints the "bad input -> error message" table.
 """
 
 from __future__ import annotations
