@@ -5,7 +5,9 @@ CPU has (nanoserve/utils/cpu.py), never per call:
     (what torch's inductor does for CPU linears); it runs bf16 on AMX or AVX512-BF16 units.
   - `PackedLinear`: csrc/linear.c's GEMM on 16-column panels, streamed front to back. It stays
     where it measured faster than oneDNN: fp32 at decode batch sizes, and bf16 on CPUs without
-    native bf16, which it widens to fp32 once per panel (docs/benchmarks.md, "GEMM")."""
+    native bf16, which it widens to fp32 once per panel (docs/benchmarks.md, "GEMM"). On CPUs
+    with AVX-512, oneDNN measured faster from `ONEDNN_FROM_ROWS` rows on (large decode batches,
+    prefill chunks): there a PackedLinear keeps oneDNN's layout too and hands those calls over."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch
 from torch import nn
 
 from nanoserve.utils import cpu
+
+ONEDNN_FROM_ROWS = 64
 
 
 def linear_kind(dtype: torch.dtype, c_gemm_fits: bool) -> str:
@@ -38,10 +42,18 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def onednn_from_rows(dtype: torch.dtype) -> int | None:
+    """From how many rows a PackedLinear hands over to oneDNN (None: never)."""
+    wide = "avx512f" in cpu.cpu_flags() and torch.backends.mkldnn.is_available()
+    return ONEDNN_FROM_ROWS if dtype == torch.float32 and wide else None
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.from_rows = onednn_from_rows(linear.weight.dtype)
+        self.onednn = None if self.from_rows is None else OneDNNLinear(linear)
         n, k = linear.weight.shape  # [N, K] -> [N / 16, K, 16]
         self.packed = linear.weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
         # Read once here, not per call: a parameter's lookup through nn.Module is slow next to
@@ -51,6 +63,8 @@ class PackedLinear(nn.Module):
         self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn is not None and x.numel() >= self.from_rows * self.k:
+            return self.onednn(x)
         rows = x  # the model's activations are already [tokens, k], contiguous, this dtype
         if x.dim() != 2 or x.dtype != self.dtype or not x.is_contiguous():
             rows = x.reshape(-1, self.k).to(self.dtype).contiguous()

@@ -8,7 +8,7 @@ from torch import nn
 
 from nanoserve import config
 from nanoserve.accel import kernels as cpu_kernels
-from nanoserve.accel.linear import OneDNNLinear, PackedLinear, replace_linears
+from nanoserve.accel.linear import ONEDNN_FROM_ROWS, OneDNNLinear, PackedLinear, replace_linears
 from nanoserve.utils import cpu
 
 LIB = cpu_kernels.compile_kernels()
@@ -100,3 +100,23 @@ def test_auto_dtype_on_cpu(fake_cpu, kind, expected):
 
 def test_the_real_probe_answers():
     assert isinstance(cpu.has_native_bf16(), bool) and "cores" in cpu.describe()
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["avx2", "amx"])
+def test_fp32_hands_large_batches_to_onednn_where_the_cpu_has_avx512(fake_cpu, kind):
+    fake_cpu(kind)
+    linear = nn.Linear(40, 32).requires_grad_(False)
+    packed = PackedLinear(linear, LIB)
+    assert (packed.onednn is not None) == (kind == "amx")
+    handed = []
+    if packed.onednn is not None:
+        onednn_forward = packed.onednn.forward
+        packed.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
+    with torch.inference_mode():
+        for rows in (ONEDNN_FROM_ROWS - 1, ONEDNN_FROM_ROWS):
+            x = torch.randn(rows, 40)
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    assert handed == ([ONEDNN_FROM_ROWS] if kind == "amx" else [])
+    bf16 = PackedLinear(nn.Linear(40, 32).to(torch.bfloat16), LIB)
+    assert bf16.onednn is None  # bf16 without native units: the C GEMM at every size
