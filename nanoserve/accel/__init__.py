@@ -2,7 +2,8 @@
 finds `optimize` as vLLM finds its plugins, through an entry-point group (`nanoserve.fast_paths`
 in pyproject.toml), and calls it once the model and KV cache exist, unless `enforce_eager=True`.
 It is the only place anything is swapped in, and it swaps whole modules:
-  - CPU: every nn.Linear becomes a packed GEMM (linear.py: oneDNN or csrc/linear.c, by CPU),
+  - CPU: q, k, v and gate, up are merged into one linear each (merged.py), and every nn.Linear
+    becomes a packed GEMM (linear.py: oneDNN or csrc/linear.c, by CPU and row count),
     decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention.c),
     and freed buffers stay in the heap (kernels.keep_freed_memory, process-wide);
   - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from nanoserve.accel import kernels
 from nanoserve.accel.cuda_graph import CUDAGraphRunner
 from nanoserve.accel.linear import replace_linears
+from nanoserve.accel.merged import merge_projections
 from nanoserve.accel.paged_attention import with_decode_kernel
 
 if TYPE_CHECKING:
@@ -31,6 +33,7 @@ def optimize(runner: ModelRunner) -> None:
         return
     kernels.keep_freed_memory()  # no page faults for each step's buffers
     lib = kernels.compile_kernels()
+    merge_projections(runner.model)  # q, k, v and gate, up: one GEMM each
     replace_linears(runner.model, lib)
     if lib is not None and runner.backend.name == "torch":
         runner.backend = with_decode_kernel(runner.backend, lib)

@@ -39,7 +39,7 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/core/test_stop_tokens.py", "tests/core/test_properties.py",
               "tests/core/test_abort.py", "tests/core/test_validation.py",
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
-              "tests/accel/test_fast_path.py"]
+              "tests/accel/test_merged.py", "tests/accel/test_fast_path.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
@@ -47,7 +47,8 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
          "nanoserve/accel/csrc/attention.c": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
-         "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"]}
+         "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
+         "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -57,7 +58,7 @@ SAMPLER = "nanoserve/layers/sampler.py"
 QUEUE = "nanoserve/engine/waiting_queue.py"
 GEMM, ATTN = "nanoserve/accel/csrc/linear.c", "nanoserve/accel/csrc/attention.c"
 HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
-DISPATCH = "nanoserve/accel/linear.py"
+DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,11 @@ MUTANTS = [
            "x.numel() >= self.from_rows * self.k", "x.numel() > self.from_rows * self.k",
            "fp32 hands a batch to oneDNN only above ONEDNN_FROM_ROWS rows, not from it",
            "each CPU gets the GEMM measured faster on it, by row count"),
+    Mutant("merged_gate_and_up_swapped", MERGED,
+           "gate, up = self.gate_up_proj(x).chunk(2, dim=-1)",
+           "up, gate = self.gate_up_proj(x).chunk(2, dim=-1)",
+           "the merged MLP takes SiLU of the up projection instead of the gate's",
+           "the fast path computes what the reader's decoder computes"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",
