@@ -11,6 +11,7 @@ the sum of the requested lengths; whatever a system computes beyond that is wast
     python bench.py --workload chapter     # §2's example, with its picture
     python bench.py --quick                # smaller, ~1 min
     python bench.py --workload vllm-longtail --systems continuous,vllm   # vs real vLLM
+    python bench.py --workload vllm-longtail --systems continuous,llamacpp  # vs llama.cpp
     python bench.py --workload batching         # §1: decode step time at 1/4/16/64 rows
     python bench.py --workload prefill-stutter  # §7: a long prompt, chunked prefill off/on
 """
@@ -26,11 +27,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import report, steps
+from benchmarks.llamacpp_system import LlamaCpp
 from benchmarks.systems import DTYPES, Continuous, HFContinuous, HFStatic, Static, SystemResult
 from benchmarks.vllm_system import VLLM
 from benchmarks.workloads import WORKLOADS, make_workload
 
-SYSTEMS = {s.name: s for s in (Continuous, Static, HFStatic, HFContinuous, VLLM)}
+SYSTEMS = {s.name: s for s in (Continuous, Static, HFStatic, HFContinuous, VLLM, LlamaCpp)}
 DEFAULT_SYSTEMS = ("continuous", "static", "hf-static", "hf-cb")
 
 
@@ -86,12 +88,14 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from nanoserve.utils import cpu
     from nanoserve.utils.bundled import default_model_dir
 
     hf_logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model or default_model_dir()
+    print(cpu.describe())  # which machine every figure below comes from
     if args.workload in steps.STEP_WORKLOADS:  # one engine, timed step by step
         steps.run(args.workload, model_dir, args.dtype, args.quick, args.out, args.png)
         return []

@@ -76,6 +76,9 @@ def ratio_lines(results: list[SystemResult]) -> list[str]:
     if "vllm" in by:
         lines.append(f"nanoserve (continuous) / vLLM: {c / by['vllm'].output_tps:.2f}x output "
                      "tok/s")
+    if "llamacpp" in by:
+        lines.append(f"nanoserve (continuous) / llama.cpp: "
+                     f"{c / by['llamacpp'].output_tps:.2f}x output tok/s")
     return lines
 
 
@@ -173,6 +176,9 @@ def machine_info() -> dict:
         cpu = platform.processor() or "unknown"
     import transformers
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+    from nanoserve.utils import cpu as cpu_probe
+
+    return {"cpu": cpu, "cpu_flags": cpu_probe.describe(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M")}

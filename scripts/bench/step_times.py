@@ -10,6 +10,12 @@ the best step (best against best: on a VM whose speed drifts, both are its fast 
 last column times that fastest GEMM again between the steps and compares medians: the step
 against the machine's rate in the same moments.
 
+The llama.cpp columns: the same rows, dtype and context on llama.cpp (the same weights as GGUF,
+benchmarks/llamacpp_worker.py's step mode: one llama_decode of an R-token batch plus the argmax,
+wall time, as many threads as torch uses here), in its own process, run before nanoserve's rows
+of that dtype (not interleaved). Set it up once with `bash scripts/bench/setup_llamacpp.sh`;
+without it the columns show "-" and one line says so.
+
     python scripts/bench/step_times.py                       # fp32 and bf16, 1/16/64 rows
     python scripts/bench/step_times.py --dtypes float32 --rows 16 --steps 30
     python scripts/bench/step_times.py --cpu-time --threads 1  # on a shared, busy machine
@@ -19,13 +25,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ (the llama.cpp peer)
+from benchmarks import llamacpp_system
 from nanoserve.accel.kernels import compile_kernels
 from nanoserve.accel.linear import PackedLinear
 from nanoserve.config import EngineConfig, resolve_config
@@ -34,6 +44,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils import cpu
 from nanoserve.utils.bundled import default_model_dir
 
 
@@ -99,6 +110,26 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     return flops / best / 1e9, fastest, flops
 
 
+def llama_steps(dtype: str, rows_list: list[int], args) -> dict:
+    """llama.cpp's step at each row count, {"16": {"median_ms", "best_ms"}}; {} (and one line
+    saying why) where it is not set up, left out or fails."""
+    if args.no_llamacpp:
+        return {}
+    why_not = llamacpp_system.unavailable(default_model_dir(), dtype)
+    if why_not:
+        print(f"llama.cpp {dtype}: skipped: {why_not}")
+        return {}
+    try:
+        data = llamacpp_system.step_times(default_model_dir(), dtype, rows_list, args.context,
+                                          args.steps, torch.get_num_threads())
+    except RuntimeError as e:
+        print(f"llama.cpp {dtype}: failed: {' / '.join(str(e).splitlines()[-3:])}")
+        return {}
+    print(f"llama.cpp {dtype}: llama-cpp-python {data['llama_cpp_python']}, {data['threads']} "
+          f"threads, wall time, KV cache {data['kv_type']}, {data['system_info']}")
+    return data["rows"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -110,18 +141,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time this thread's CPU time, not wall time (use with --threads 1)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave out the llama.cpp columns")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows_list = [int(r) for r in args.rows.split(",")]
+    print(cpu.describe())
     print(f"threads {torch.get_num_threads()}, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
-    print("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
-          "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    header = ("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
+              "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |"
+              " llama.cpp ms | best llama.cpp ms | opt/llama.cpp |")
     for dtype in args.dtypes.split(","):
+        peer = llama_steps(dtype, rows_list, args)
+        print(header, "|---" * header.count("|", 1) + "|", sep="\n")
         runners = {name: make_runner(dtype, max(rows_list), args.context, args.block_size, eager)
                    for name, eager in (("eager", True), ("optimized", False))}
         params = sum(p.numel() for p in runners["eager"].model.parameters())
@@ -144,9 +179,13 @@ def main() -> None:
             # The same GEMM, timed between the steps: the machine's rate in the same moments.
             gemm_s = statistics.median(times["gemm"])
             same_moments_ms = rows * 2 * params / gemm_flops * gemm_s * 1e3
+            theirs = peer.get(str(rows))
+            peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
+                         f"{theirs['best_ms']:.1f} | {opt / theirs['median_ms']:.2f}")
             print(f"| {dtype} | {rows} | {eager:.1f} | {opt:.1f} | {opt / eager:.2f} | "
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
-                  f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% |")
+                  f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
+                  f"{peer_cols} |")
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
               f"{gflops * 1e9 / (2 * params):.0f} tok/s)")
 

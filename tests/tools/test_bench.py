@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.py is a script
 import bench  # noqa: E402
 from benchmarks import report, workloads  # noqa: E402
+from benchmarks.llamacpp_system import LlamaCpp  # noqa: E402
 from benchmarks.systems import SystemResult, assign_slots  # noqa: E402
 from benchmarks.vllm_system import VLLM, identical_requests, vllm_job, vllm_result  # noqa: E402
 from benchmarks.workloads import SimRequest, Workload, poisson_arrivals  # noqa: E402
@@ -174,6 +175,20 @@ def test_vllm_is_skipped_with_a_hint_when_its_venv_is_absent(tiny_dir, tmp_path,
     assert results == []
     lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("skipping vllm")]
     assert len(lines) == 1 and "scripts/bench/setup_vllm_venv.sh" in lines[0]
+
+
+def test_llamacpp_is_skipped_with_a_hint_when_not_set_up(tiny_dir, tmp_path, capsys,
+                                                         monkeypatch):
+    monkeypatch.setitem(bench.SYSTEMS, "llamacpp",
+                        lambda *args: LlamaCpp(*args, venv=tmp_path / "no-venv"))
+    results = bench.main(["--model", tiny_dir, "--workload", "chapter", "--quick",
+                          "--systems", "llamacpp", "--out", str(tmp_path / "r.json")])
+    assert results == []
+    out = capsys.readouterr().out.splitlines()
+    lines = [s for s in out if s.startswith("skipping llamacpp")]
+    assert lines == ["skipping llamacpp: not set up: run `bash scripts/bench/setup_llamacpp.sh` "
+                     "(~6 min; no no-venv/)"]
+    assert out[0].startswith("cpu: ") and "cores" in out[0]  # the header says which machine
 
 
 def test_vllm_job_file_and_result_parsing():
