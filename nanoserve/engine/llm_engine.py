@@ -2,8 +2,8 @@
 
 `LLM.step()` is one turn of that loop and the only place the three parts meet:
     scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
-`generate()` is just "add every prompt, then step until nothing is left". A server (serve.py)
-runs the same loop, adding and aborting between steps; its requests ask for DELTA outputs."""
+`generate()` is just "add every prompt, then step until nothing is left"; serve.py, the same loop
+with requests added and aborted between steps."""
 
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ class LLM:
                              bm.num_blocks, bm.block_size, source)
 
     def step(self) -> list[RequestOutput]:
-        """One turn of the loop (§4); returns the requests that finished (or were aborted),
-        and, for those that asked for DELTA outputs, what each running one got this step."""
+        """One turn of the loop (§4): outputs of requests that finished (or were aborted), and
+        DELTA outputs of running ones that asked for them (SamplingParams.output_kind)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[Request] = []
@@ -167,10 +167,9 @@ class LLM:
             req = entry.request
             if not entry.samples or not (d := self._detokenizers[req.request_id]).incremental:
                 continue
-            if d.update(req) and req.finish_reason != FinishReason.ERROR:
-                if not req.is_finished:
-                    self.scheduler.abort(req.request_id)  # frees its blocks now, as a finish
-                    finished.append(req)
+            if d.update(req) and req.finish_reason != FinishReason.ERROR:  # a stop string
+                if not req.is_finished:  # it ends now; abort() frees its blocks at once
+                    finished.append(self.scheduler.abort(req.request_id))
                 req.finish_reason = FinishReason.STOP
             elif d.delta and not req.is_finished:
                 deltas.append(req)

