@@ -85,7 +85,7 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     x = torch.randn(256, 576, dtype=dtype)
     w1, w2 = torch.randn(1536, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     ways = {"plain": lambda: F.linear(F.linear(x, w1), w2)}
-    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available():
         p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in (w1, w2))
 
         def packed():
@@ -108,6 +108,20 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
             if clock() - t < best:
                 best, fastest = clock() - t, way
     return flops / best / 1e9, fastest, flops
+
+
+def weight_stream_ms(weight_bytes: int, repeats: int = 10) -> tuple[float, float]:
+    """(ms to stream the weights once, copy GB/s): the memory's rate from the best of `repeats`
+    copies of a 256 MB buffer (bytes read + written per second), the one-row step's bound."""
+    src = torch.ones(64 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    rate = 2 * src.numel() * src.element_size() / best
+    return weight_bytes / rate * 1e3, rate / 1e9
 
 
 def llama_steps(dtype: str, rows_list: list[int], args) -> dict:
@@ -160,6 +174,8 @@ def main() -> None:
         runners = {name: make_runner(dtype, max(rows_list), args.context, args.block_size, eager)
                    for name, eager in (("eager", True), ("optimized", False))}
         params = sum(p.numel() for p in runners["eager"].model.parameters())
+        weight_bytes = params * runners["eager"].dtype.itemsize
+        stream_ms, copy_rate = weight_stream_ms(weight_bytes)
         gflops, gemm, gemm_flops = gemm_gflops(runners["eager"].dtype, clock)
         for rows in rows_list:
             outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
@@ -187,7 +203,9 @@ def main() -> None:
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
                   f"{peer_cols} |")
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
-              f"{gflops * 1e9 / (2 * params):.0f} tok/s)")
+              f"{gflops * 1e9 / (2 * params):.0f} tok/s; weight-streaming bound: "
+              f"{weight_bytes / 1e6:.0f} MB of weights at {copy_rate:.1f} GB/s (best copy) = "
+              f"{stream_ms:.1f} ms per step)")
 
 
 if __name__ == "__main__":
