@@ -136,6 +136,9 @@ class Engine:
         import numpy as np
 
         self.L, self.np = L, np
+        # llama.cpp logs every graph it builds (debug level, ~100 lines a decode): errors only.
+        self.log = L.llama_log_callback(quiet_log)  # kept: llama.cpp holds only the pointer
+        L.llama_log_set(self.log, None)
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
         if not self.model:
@@ -201,6 +204,11 @@ class Engine:
                 "flash_attn_type": self.flash_attn,
                 "n_ctx_seq": self.L.llama_n_ctx_seq(self.ctx),
                 "system_info": self.L.llama_print_system_info().decode().strip()}
+
+
+def quiet_log(level: int, text: bytes, user_data) -> None:
+    if level == 3:  # GGML_LOG_LEVEL_ERROR
+        sys.stderr.write(text.decode(errors="replace"))
 
 
 def prefill(engine: Engine, rows: int, context: int) -> None:

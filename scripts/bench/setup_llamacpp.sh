@@ -18,7 +18,6 @@ set -euo pipefail
 
 LLAMACPP_VERSION=0.3.36
 TORCH_VERSION=2.13.0
-TRANSFORMERS_VERSION=4.57.6  # the converter's requirements-convert_legacy_llama.txt pins it
 VENV=${LLAMACPP_VENV:-.venv-llamacpp}
 PY=${PYTHON:-python3}
 SRC="$VENV/src"
@@ -32,6 +31,9 @@ fi
 MODEL_DIR=$(.venv/bin/python -c "from nanoserve.utils.bundled import default_model_dir; print(default_model_dir())")
 GGUF_DIR=$(.venv/bin/python -c "from nanoserve.utils.bundled import cache_root; print(cache_root() / 'gguf')")
 NAME=$(basename "$MODEL_DIR")
+# The converter reads that directory with transformers: the version that wrote it (nanoserve's;
+# the 4.57 that the converter's requirements pin cannot read a 5.x tokenizer_config.json).
+TRANSFORMERS_VERSION=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 mkdir -p "$SRC"
@@ -41,7 +43,8 @@ if [ ! -f "$SDIST" ]; then
 fi
 [ -f "$TREE/vendor/llama.cpp/convert_hf_to_gguf.py" ] || tar -xzf "$SDIST" -C "$SRC"
 
-if ! "$VENV/bin/python" -c "import torch, transformers, gguf, sentencepiece, safetensors" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import torch, transformers, gguf, sentencepiece, safetensors, sys
+sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
     "$VENV/bin/python" -m pip install -q "transformers==$TRANSFORMERS_VERSION" numpy safetensors \
         "sentencepiece>=0.1.98,<0.3.0" "protobuf>=4.21.0,<5.0.0" "torch==$TORCH_VERSION"
