@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import queue
 import signal
 import sys
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import prometheus_client as prom
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -83,8 +85,10 @@ class Collector:
 class EngineThread:
     """§4's loop on its own thread; the only code that touches the LLM after start-up."""
 
-    def __init__(self, llm: LLM, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, llm: LLM, loop: asyncio.AbstractEventLoop,
+                 num_threads: int | None = None) -> None:
         self.llm, self.loop, self.metrics = llm, loop, Metrics(llm)
+        self.num_threads = num_threads
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Collector] = {}  # request_id -> its collector
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
@@ -122,6 +126,8 @@ class EngineThread:
         return True
 
     def run(self) -> None:
+        if self.num_threads is not None:  # OpenMP's thread count is per thread: set it here
+            torch.set_num_threads(self.num_threads)
         while self._receive(block=not self.llm.has_unfinished_requests()):
             self._step()
         for request_id in list(self.live):  # shutdown: what is left is aborted
@@ -159,8 +165,10 @@ def _deliver(batch: list[tuple[Collector, RequestOutput]]) -> None:
 
 
 class Server:
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
+                 num_threads: int | None = None) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.num_threads = num_threads
         self.max_model_len = llm.config.max_model_len
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenize_pool = ThreadPoolExecutor(1, "nanoserve-tokenize")  # HF: one at a time
@@ -174,7 +182,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.engine = EngineThread(self.llm, asyncio.get_running_loop())
+        self.engine = EngineThread(self.llm, asyncio.get_running_loop(), self.num_threads)
         self.engine.thread.start()
         yield
         self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
@@ -274,12 +282,16 @@ class Server:
                              "usage": usage_of(len(prompt_ids), num_tokens)})
 
     async def read_body(self, request: Request) -> dict:
+        """At most max_body_bytes, also without a Content-Length (a chunked upload)."""
+        too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
         size = request.headers.get("content-length", "0")
         if not size.isdigit() or int(size) > self.max_body_bytes:
-            raise APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
+            raise too_big
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
         try:
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -397,6 +409,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--reserved-cpus", type=int, default=None,
+                   help="CPU cores left to the HTTP front end and clients, not the engine's "
+                        "threads (default: 1 on a CPU with 2 or more, as vLLM's CPU serving; "
+                        "ignored if OMP_NUM_THREADS is set)")
     for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
                        ("max-num-batched-tokens", int), ("max-model-len", int),
                        ("block-size", int), ("num-kv-blocks", int),
@@ -410,6 +426,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def engine_threads(reserved_cpus: int | None) -> int | None:
+    """The engine's compute threads while serving: the cores less the reserved ones. The OpenMP
+    threads of a step wait for each other, so one of them sharing a core with the event loop or
+    a client stalls the whole step; vLLM's CPU serving reserves a core the same way."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    reserved = (1 if cores >= 2 else 0) if reserved_cpus is None else reserved_cpus
+    if not 0 <= reserved < cores:
+        sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
+    return cores - reserved
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -418,6 +447,10 @@ def main(argv: list[str] | None = None) -> None:
                     "seed", "enable_prefix_caching", "enable_chunked_prefill",
                     "enforce_eager")
     config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}
+    num_threads = engine_threads(args.reserved_cpus)
+    if num_threads is not None:  # before the CPU kernels' OpenMP starts (it reads the env)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        torch.set_num_threads(num_threads)
     try:
         llm = LLM(args.model, **config)
     except ValueError as e:
@@ -425,7 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
         llm.trace_to(args.trace_file, source="serve")
     name = args.served_model_name or args.model or MODEL_NAME
-    server = Server(llm, name, args.api_key)
+    if llm.config.device != "cpu":
+        num_threads = None
+    server = Server(llm, name, args.api_key, num_threads)
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)

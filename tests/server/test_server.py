@@ -225,6 +225,14 @@ def test_malformed_body_is_a_400(server, body):
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
 
 
+def test_oversized_body_is_a_413_with_or_without_content_length(server):
+    big = json.dumps({**GOOD, "prompt": "x" * ((1 << 20) + 32 * MAX_MODEL_LEN)}).encode()
+    for content in (big, iter([big[i:i + 65536] for i in range(0, len(big), 65536)])):
+        r = httpx.post(server.base + "/v1/completions", content=content, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert post(server, "/v1/completions", json.dumps(GOOD)).status_code == 200
+
+
 def test_bad_chat_requests(server):
     for body, param in [({"model": "m"}, "messages"),
                         ({"model": "m", "messages": "hi"}, "messages"),
