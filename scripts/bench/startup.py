@@ -46,12 +46,12 @@ def vllm_command(dtype: str, tmp: str) -> list[str]:
     from transformers import AutoTokenizer
 
     from benchmarks.vllm_system import VENV, WORKER, vllm_job
-    from benchmarks.workloads import SimRequest, Workload, chat_ids
+    from benchmarks.workloads import Job, Workload, chat_ids
     from nanoserve.utils.bundled import default_model_dir
 
     model = default_model_dir()
     ids = chat_ids(AutoTokenizer.from_pretrained(model), PROMPT)
-    job = vllm_job(Workload("startup", [SimRequest(ids, 1)], 1, ""), model, dtype, 512)
+    job = vllm_job(Workload("startup", [Job(ids, 1)], 1, ""), model, dtype, 512)
     Path(tmp, "job.json").write_text(json.dumps(job))
     return [str(VENV / "bin" / "python"), str(WORKER), f"{tmp}/job.json", f"{tmp}/result.json"]
 

@@ -16,7 +16,7 @@ from benchmarks import report, workloads  # noqa: E402
 from benchmarks.llamacpp_system import LlamaCpp  # noqa: E402
 from benchmarks.systems import SystemResult, assign_slots  # noqa: E402
 from benchmarks.vllm_system import VLLM, identical_requests, vllm_job, vllm_result  # noqa: E402
-from benchmarks.workloads import SimRequest, Workload, poisson_arrivals  # noqa: E402
+from benchmarks.workloads import Job, Workload, poisson_arrivals  # noqa: E402
 
 VOCAB = 256
 LENGTHS = [3, 17, 5, 9, 2, 12, 7]  # skewed, so static batching must waste rows
@@ -53,12 +53,12 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def jobs() -> list[SimRequest]:
-    return [SimRequest([3 + (i * 7 + k) % 250 for k in range(5 + 3 * i)], n)
+def jobs() -> list[Job]:
+    return [Job([3 + (i * 7 + k) % 250 for k in range(5 + 3 * i)], n)
             for i, n in enumerate(LENGTHS)]
 
 
-def workload(job_list: list[SimRequest] | None = None, slots: int = 3) -> Workload:
+def workload(job_list: list[Job] | None = None, slots: int = 3) -> Workload:
     return Workload("test", job_list or jobs(), slots, "")
 
 
@@ -148,7 +148,7 @@ def test_hf_cb_adds_up(tiny_dir):
 def test_arrivals_enter_from_the_step_loop(tiny_dir):
     """--arrival-rate: a job is added only once its arrival time has passed, and its
     latency is measured from that arrival time, not from when the loop noticed it."""
-    timed = [SimRequest(j.prompt_ids, j.max_tokens, arrival=0.05 * i) for i, j in enumerate(jobs())]
+    timed = [Job(j.prompt_ids, j.max_tokens, arrival=0.05 * i) for i, j in enumerate(jobs())]
     r = bench.Continuous(tiny_dir).run(workload(timed))
     check(r, 3)
     assert r.wall_s >= timed[-1].arrival
