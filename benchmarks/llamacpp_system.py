@@ -27,6 +27,13 @@ SETUP_HINT = "bash scripts/bench/setup_llamacpp.sh"
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # nanoserve dtype -> GGUF --outtype
 
 
+def options() -> dict:
+    """llama.cpp's own defaults (KV cache f16, flash attention auto) unless the environment says
+    otherwise: NANOSERVE_LLAMACPP_KV=f32|f16|bf16, NANOSERVE_LLAMACPP_FLASH_ATTN=auto|on|off."""
+    return {"kv_type": os.environ.get("NANOSERVE_LLAMACPP_KV") or None,
+            "flash_attn": os.environ.get("NANOSERVE_LLAMACPP_FLASH_ATTN") or "auto"}
+
+
 def gguf_dir() -> Path:
     from nanoserve.utils.bundled import cache_root
 
@@ -76,7 +83,8 @@ def run_worker(job: dict, venv: Path = VENV) -> dict:
 def step_job(gguf: Path, rows: list[int], context: int, steps: int, num_threads: int,
              kv_type: str | None = None) -> dict:
     return {"mode": "step", "gguf": str(gguf), "rows": rows, "context": context,
-            "steps": steps, "threads": num_threads, "kv_type": kv_type}
+            "steps": steps, "threads": num_threads, **options(),
+            **({"kv_type": kv_type} if kv_type else {})}
 
 
 def step_times(model_dir: str, dtype: str, rows: list[int], context: int, steps: int,
@@ -100,7 +108,7 @@ def llamacpp_job(wl: Workload, gguf: Path, max_num_batched_tokens: int, num_thre
             "max_tokens": [j.max_tokens for j in wl.jobs],
             "max_num_seqs": wl.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max(len(j.prompt_ids) + j.max_tokens for j in wl.jobs),
-            "threads": num_threads, "kv_type": kv_type}
+            "threads": num_threads, **options(), **({"kv_type": kv_type} if kv_type else {})}
 
 
 def llamacpp_result(data: dict, wl: Workload) -> SystemResult:
@@ -119,7 +127,7 @@ def llamacpp_result(data: dict, wl: Workload) -> SystemResult:
         notes=[f"llama.cpp via llama-cpp-python {data.get('llama_cpp_python')} in its own "
                f"process, {data.get('threads')} threads; server-style slots (one KV stream per "
                f"sequence, n_ctx_seq {data.get('n_ctx_seq')}), KV cache {data.get('kv_type')}, "
-               f"flash_attn_type {data.get('flash_attn_type')}; all requests at t=0",
+               f"flash attention {data.get('flash_attn')}; all requests at t=0",
                f"llama.cpp system info: {data.get('system_info')}"])
 
 

@@ -23,8 +23,9 @@ Two modes (job["mode"]):
 
 The llama.cpp context: one KV stream per sequence (kv_unified false, as the server with -np N),
 flash attention and the KV cache type as llama.cpp defaults them (auto, f16) unless the job sets
-"kv_type", n_threads = n_threads_batch = job["threads"]. The scheduling (Scheduler) is plain
-Python, importable without llama.cpp, so that its plumbing is tested in nanoserve's venv.
+"flash_attn" (auto / on / off) or "kv_type" (f16 / f32 / bf16); n_threads = n_threads_batch =
+job["threads"]. The scheduling (Scheduler) is plain Python, importable without llama.cpp, so
+that its plumbing is tested in nanoserve's venv.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type values (ggml.h)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 CTX_PAD = 256  # llama.cpp pads each sequence's context to a multiple of 256
 
 
@@ -131,7 +133,7 @@ class Engine:
     """A model and a context with `n_seq` sequences of up to `n_ctx_seq` tokens each."""
 
     def __init__(self, gguf: str, n_seq: int, n_ctx_seq: int, n_batch: int, threads: int,
-                 kv_type: str | None = None) -> None:
+                 kv_type: str | None = None, flash_attn: str = "auto") -> None:
         import llama_cpp as L
         import numpy as np
 
@@ -144,11 +146,11 @@ class Engine:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         self.ctx = None
-        self.new_context(n_seq, n_ctx_seq, n_batch, threads, kv_type)
+        self.new_context(n_seq, n_ctx_seq, n_batch, threads, kv_type, flash_attn)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
 
     def new_context(self, n_seq: int, n_ctx_seq: int, n_batch: int, threads: int,
-                    kv_type: str | None = None) -> None:
+                    kv_type: str | None = None, flash_attn: str = "auto") -> None:
         L = self.L
         if self.ctx:
             L.llama_batch_free(self.batch)
@@ -160,6 +162,7 @@ class Engine:
         p.n_threads = p.n_threads_batch = threads
         if kv_type:
             p.type_k = p.type_v = KV_TYPES[kv_type]
+        p.flash_attn_type = FLASH_ATTN[flash_attn]
         self.ctx = L.llama_init_from_model(self.model, p)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create the context")
@@ -167,7 +170,7 @@ class Engine:
         self.n_batch = n_batch
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.kv_type = {v: k for k, v in KV_TYPES.items()}.get(p.type_k, str(p.type_k))
-        self.flash_attn = p.flash_attn_type
+        self.flash_attn = flash_attn
 
     def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """One llama_decode of (seq, token, pos, logits) entries; the argmax of every logits
@@ -201,7 +204,7 @@ class Engine:
         import llama_cpp
 
         return {"llama_cpp_python": llama_cpp.__version__, "kv_type": self.kv_type,
-                "flash_attn_type": self.flash_attn,
+                "flash_attn": self.flash_attn,
                 "n_ctx_seq": self.L.llama_n_ctx_seq(self.ctx),
                 "system_info": self.L.llama_print_system_info().decode().strip()}
 
@@ -222,12 +225,13 @@ def prefill(engine: Engine, rows: int, context: int) -> None:
 def run_steps(job: dict) -> dict:
     rows_list, context, steps = job["rows"], job["context"], job["steps"]
     t0 = time.perf_counter()
+    options = job.get("kv_type"), job.get("flash_attn") or "auto"
     engine = Engine(job["gguf"], rows_list[0], context + 1, max(512, rows_list[0]),
-                    job["threads"], job.get("kv_type"))
+                    job["threads"], *options)
     startup = time.perf_counter() - t0
     out = {}
     for rows in rows_list:
-        engine.new_context(rows, context + 1, max(512, rows), job["threads"], job.get("kv_type"))
+        engine.new_context(rows, context + 1, max(512, rows), job["threads"], *options)
         prefill(engine, rows, context)
         batch = [(r, step_tokens(r, context)[context], context, True) for r in range(rows)]
         times = []
@@ -250,7 +254,7 @@ def run_workload(job: dict) -> dict:
     budget = job["max_num_batched_tokens"]
     t0 = time.perf_counter()
     engine = Engine(job["gguf"], seqs, job["max_model_len"], max(budget, seqs), job["threads"],
-                    job.get("kv_type"))
+                    job.get("kv_type"), job.get("flash_attn") or "auto")
     startup = time.perf_counter() - t0
     warm = Scheduler(prompts[:1], [2], 1, budget)  # warm-up: the first prompt, two tokens
     while warm.unfinished():

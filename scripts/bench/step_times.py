@@ -140,7 +140,8 @@ def llama_steps(dtype: str, rows_list: list[int], args) -> dict:
         print(f"llama.cpp {dtype}: failed: {' / '.join(str(e).splitlines()[-3:])}")
         return {}
     print(f"llama.cpp {dtype}: llama-cpp-python {data['llama_cpp_python']}, {data['threads']} "
-          f"threads, wall time, KV cache {data['kv_type']}, {data['system_info']}")
+          f"threads, wall time, KV cache {data['kv_type']}, flash attention {data['flash_attn']}, "
+          f"{data['system_info']}")
     return data["rows"]
 
 

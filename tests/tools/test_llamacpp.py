@@ -51,11 +51,14 @@ def reference(prompt: list[int], n: int) -> list[int]:
 class FakeEngine:
     """Engine's interface; asserts what llama.cpp would refuse or get wrong."""
 
-    def __init__(self, gguf, n_seq, n_ctx_seq, n_batch, threads, kv_type=None) -> None:
+    def __init__(self, gguf, n_seq, n_ctx_seq, n_batch, threads, kv_type=None,
+                 flash_attn="auto") -> None:
         self.batches: list[list[tuple]] = []
-        self.new_context(n_seq, n_ctx_seq, n_batch, threads, kv_type)
+        self.new_context(n_seq, n_ctx_seq, n_batch, threads, kv_type, flash_attn)
 
-    def new_context(self, n_seq, n_ctx_seq, n_batch, threads, kv_type=None) -> None:
+    def new_context(self, n_seq, n_ctx_seq, n_batch, threads, kv_type=None,
+                    flash_attn="auto") -> None:
+        assert flash_attn in llamacpp_worker.FLASH_ATTN
         self.n_seq, self.n_ctx_seq, self.n_batch = n_seq, n_ctx_seq, n_batch
         self.kv: dict[int, list[int]] = {}
 
@@ -79,7 +82,7 @@ class FakeEngine:
         self.kv.clear()
 
     def info(self):
-        return {"llama_cpp_python": "fake", "kv_type": "f16", "flash_attn_type": -1,
+        return {"llama_cpp_python": "fake", "kv_type": "f16", "flash_attn": "auto",
                 "n_ctx_seq": self.n_ctx_seq, "system_info": "fake"}
 
 
@@ -162,7 +165,9 @@ def test_workload_job_runs_through_the_worker_and_back(tmp_path, monkeypatch):
 
 def test_step_job_keeps_every_row_at_the_same_context(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp_worker, "Engine", FakeEngine)
+    monkeypatch.setenv("NANOSERVE_LLAMACPP_FLASH_ATTN", "off")
     job = step_job(Path("/m/x-bf16.gguf"), [1, 4], 20, 3, 2)
+    assert job["flash_attn"] == "off" and job["kv_type"] is None  # llama.cpp's default KV
     data = llamacpp_worker.run_steps(json.loads(json.dumps(job)))
     assert data["mode"] == "step" and set(data["rows"]) == {"1", "4"}
     for row in data["rows"].values():
