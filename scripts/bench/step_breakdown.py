@@ -7,6 +7,8 @@ decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of
 "attention" = full step - step without attention (the decode kernel and the C cache write);
 "GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
 residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
+Only the C GEMM is replaced: where the fast path takes oneDNN (bf16 on native-bf16 CPUs, fp32
+from 64 rows on AVX-512), its GEMMs stay in "the rest"; use gemm_compare.py for those.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from pathlib import Path
 import torch
 from step_times import decode_batch, make_runner
 
-from nanoserve.accel import kernels as cpu_kernels
-from nanoserve.accel import paged_attention as cpu_attention
+from nanoserve.accel import kernels, paged_attention
 from nanoserve.accel.linear import PackedLinear
 from nanoserve.layers.attention import select_backend
 
@@ -32,10 +33,10 @@ def no_op_library(directory: str) -> ctypes.CDLL:
     """The kernels' names, each doing nothing."""
     source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
     source.write_text("".join(f"int {name}(void) {{ return -1; }}\n"  # -1: "no error"
-                                 for name in cpu_kernels.ARGTYPES))
+                                 for name in kernels.ARGTYPES))
     subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
     lib = ctypes.CDLL(str(target))
-    for name, argtypes in cpu_kernels.ARGTYPES.items():
+    for name, argtypes in kernels.ARGTYPES.items():
         getattr(lib, name).argtypes = argtypes
     return lib
 
@@ -49,7 +50,7 @@ def main() -> None:
                     "default: 128 on a CPU)")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
-    lib = cpu_kernels.compile_kernels()
+    lib = kernels.compile_kernels()
     if lib is None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
     runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
@@ -65,7 +66,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in variants}
             for step in range(args.steps + 2):  # two warm-up steps
                 for name, (attention_lib, gemm_lib) in variants.items():
-                    backend = cpu_attention.with_decode_kernel(twin, attention_lib)
+                    backend = paged_attention.with_decode_kernel(twin, attention_lib)
                     for layer in runner.attn_layers:
                         layer.backend = backend
                     for linear in linears:

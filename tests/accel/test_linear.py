@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from nanoserve import config
-from nanoserve.accel import kernels as cpu_kernels
+from nanoserve.accel import kernels
 from nanoserve.accel.linear import ONEDNN_FROM_ROWS, OneDNNLinear, PackedLinear, replace_linears
 from nanoserve.utils import cpu
 
-LIB = cpu_kernels.compile_kernels()
+LIB = kernels.compile_kernels()
 needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
 
 

@@ -14,20 +14,19 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.accel import kernels as cpu_kernels
-from nanoserve.accel import paged_attention as cpu_attention
+from nanoserve.accel import kernels, paged_attention
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import select_backend
 from tests.common.tiny_model import tiny_model_dir
 from tests.core.test_attention import PagedCase
 
-KERNEL = cpu_kernels.compile_kernels()
+KERNEL = kernels.compile_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here")
 
 
 def decode_fn():
     backend = select_backend(torch.device("cpu"), torch.float32, "torch")
-    return cpu_attention.with_decode_kernel(backend, KERNEL).with_kvcache
+    return paged_attention.with_decode_kernel(backend, KERNEL).with_kvcache
 
 
 def poisoned_case(lens, block_size, group, head_dim, dtype, seed=0) -> PagedCase:
@@ -127,7 +126,7 @@ def test_a_bad_length_is_named_and_unread_padding_may_hold_anything(bad_request)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_write_is_the_twins_and_refuses_slots_outside_the_cache(dtype):
     backend = select_backend(torch.device("cpu"), dtype, "torch")
-    fast = cpu_attention.with_decode_kernel(backend, KERNEL).store_kvcache
+    fast = paged_attention.with_decode_kernel(backend, KERNEL).store_kvcache
     torch.manual_seed(0)
     key, value = torch.randn(2, 5, 3, 8).to(dtype)
     slots = torch.tensor([7, 0, 23, 12, 3])
@@ -156,19 +155,19 @@ def test_kernels_are_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch
 
     monkeypatch.setattr(subprocess, "run", counting_run)
     for _ in range(2):  # __wrapped__: past the once-per-process functools.cache
-        assert cpu_kernels.compile_kernels.__wrapped__("cc") is not None
+        assert kernels.compile_kernels.__wrapped__("cc") is not None
     assert len(builds) == 1 and len(list(tmp_path.glob("nanoserve-kernels-*.so"))) == 1
 
 
 def test_an_unwritable_cache_builds_for_this_process_only(tmp_path, monkeypatch):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
-    lib = cpu_kernels.compile_kernels.__wrapped__("cc")
+    lib = kernels.compile_kernels.__wrapped__("cc")
     assert lib is not None and not lib._name.startswith(str(tmp_path))
 
 
 def test_no_compiler_means_the_twin(caplog):
-    assert cpu_kernels.compile_kernels("no-such-compiler") is None
+    assert kernels.compile_kernels("no-such-compiler") is None
     assert "no C compiler" in caplog.text
 
 
