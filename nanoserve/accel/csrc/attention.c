@@ -106,6 +106,10 @@ static inline __attribute__((always_inline)) void decode_request(
   const int32_t* blocks = block_table + (int64_t)b * W;
   for (int t = 0; t < L; ++t) /* where token t's row starts in either cache */
     offsets[t] = ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row;
+  const int64_t at = (int64_t)b * H * D * (bf16 ? 2 : 4); /* bytes to its q and out rows */
+  if (decode_request_wide((const char*)q + at, k_cache, v_cache, offsets, L, (char*)out + at, H,
+                          Hkv, D, scale, bf16, scores))
+    return; /* AVX-512 and a head size it takes: attention_avx512.c */
 
   float qf[H * D]; /* q * scale, widened */
   for (int i = 0; i < H * D; ++i) qf[i] = load(q, (int64_t)b * H * D + i, bf16) * scale;
@@ -119,15 +123,7 @@ static inline __attribute__((always_inline)) void decode_request(
     score_tokens(qf, k_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, scores);
   for (; t < L; ++t) /* the last L % T */
     score_tokens(qf, k_cache, offsets, t, 1, L, H, group, D, row, bf16, tmp, scores);
-  for (int h = 0; h < H; ++h) { /* softmax over the L keys */
-    float *sh = scores + h * L, m = -INFINITY, sum = 0.f;
-    for (int t = 0; t < L; ++t) m = sh[t] > m ? sh[t] : m;
-#pragma omp simd
-    for (int t = 0; t < L; ++t) sh[t] = exp_nonpositive(sh[t] - m);
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < L; ++t) sum += sh[t];
-    for (int t = 0; t < L; ++t) sh[t] /= sum;
-  }
+  for (int h = 0; h < H; ++h) softmax(scores + h * L, L); /* over the L keys */
   memset(acc, 0, sizeof(float) * H * D);
   for (t = 0; t + T <= L; t += T) /* out = sum over keys of p . v */
     weigh_tokens(scores, v_cache, offsets, t, T, L, H, group, D, row, bf16, tmp, acc);

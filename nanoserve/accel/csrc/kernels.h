@@ -1,7 +1,8 @@
 /* What the fast path's C kernels share. kernels.py builds them, once per machine, into one
  * library:
  *   linear.c    linear: §1, one weight read serving every row of the step;
- *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache.
+ *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache;
+ *   attention_avx512.c: its loop nest for CPUs with AVX-512 (and AVX512-BF16).
  * All compute in float32; bfloat16 values are widened on load and results rounded to nearest
  * even, as torch does. All arrays are contiguous and row-major.
  */
@@ -80,3 +81,18 @@ static inline float exp_nonpositive(float x) {
   memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
 }
+
+/* Scores s[0 .. L-1] -> their softmax, in place. */
+static inline void softmax(float* s, int L) {
+  float m = -INFINITY, sum = 0.f;
+  for (int t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd
+  for (int t = 0; t < L; ++t) s[t] = exp_nonpositive(s[t] - m);
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < L; ++t) sum += s[t];
+  for (int t = 0; t < L; ++t) s[t] /= sum;
+}
+
+int decode_request_wide(const void* q, const void* k_cache, const void* v_cache,
+                        const int64_t* offsets, int L, void* out, int H, int Hkv, int D,
+                        float scale, int bf16, float* scores);
