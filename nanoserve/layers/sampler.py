@@ -19,16 +19,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int | str]:
         """logits [rows, vocab], a params and generator (or None) per row -> token or error str."""
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1, keepdim=True)
-        # argmax propagates NaN: a row holding one has it at its argmax (O(rows) check).
-        nan_rows = logits.gather(1, greedy).isnan().flatten().tolist()
+        # max in the logits' own dtype: the same first-maximum index as argmax in float32 (the
+        # widening is exact), without a float32 copy of every row. It propagates NaN: a row
+        # holding one has it as its maximum (O(rows) check).
+        top, greedy = logits.max(dim=-1)
+        nan_rows = top.isnan().tolist()
         token_ids: list[int | str] = ["sampling failed: the logits contain NaN" if nan else t
-                                      for nan, t in zip(nan_rows, greedy.flatten().tolist())]
+                                      for nan, t in zip(nan_rows, greedy.tolist())]
         rows = [i for i, p in enumerate(params) if not p.greedy and not nan_rows[i]]
         if not rows:
             return token_ids
-        probs, order = self._filtered_probs(logits[rows].cpu(), [params[i] for i in rows])
+        probs, order = self._filtered_probs(logits[rows].float().cpu(), [params[i] for i in rows])
         # Draw in vocabulary order, not sorted order: a last-bit change of the logits (another
         # batch shape) then moves probabilities a little instead of swapping near-tied tokens.
         probs = torch.zeros_like(probs).scatter_(1, order, probs)
