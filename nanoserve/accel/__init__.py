@@ -3,7 +3,8 @@ finds `optimize` as vLLM finds its plugins, through an entry-point group (`nanos
 in pyproject.toml), and calls it once the model and KV cache exist, unless `enforce_eager=True`.
 It is the only place anything is swapped in, and it swaps whole modules:
   - CPU: q, k, v and gate, up are merged into one linear each (merged.py), and every nn.Linear
-    becomes a packed GEMM (linear.py: oneDNN or csrc/linear.c, by CPU and row count),
+    becomes a packed GEMM (linear.py: oneDNN, csrc/linear.c or csrc/dpbf16.c, by CPU and row
+    count),
     decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention.c),
     and freed buffers stay in the heap (kernels.keep_freed_memory, process-wide);
   - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).

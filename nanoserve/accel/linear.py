@@ -1,13 +1,16 @@
 """§1 on a CPU, fast: one weight read serving every row of the step, with the weights laid out
-for the read. Each `nn.Linear` becomes one of two modules, chosen by `linear_kind` from what the
-CPU has (nanoserve/utils/cpu.py), never per call:
+for the read. Each `nn.Linear` becomes one of three modules, chosen by `linear_kind` from what
+the CPU has (nanoserve/utils/cpu.py), never per call:
   - `OneDNNLinear`: torch's oneDNN GEMM on a weight reordered once into its blocked layout
     (what torch's inductor does for CPU linears); it runs bf16 on AMX or AVX512-BF16 units.
   - `PackedLinear`: csrc/linear.c's GEMM on 16-column panels, streamed front to back. It stays
     where it measured faster than oneDNN: fp32 at decode batch sizes, and bf16 on CPUs without
     native bf16, which it widens to fp32 once per panel (docs/benchmarks.md, "GEMM"). On CPUs
     with AVX-512, oneDNN measured faster from `ONEDNN_FROM_ROWS` rows on (large decode batches,
-    prefill chunks): there a PackedLinear keeps oneDNN's layout too and hands those calls over."""
+    prefill chunks): there a PackedLinear keeps oneDNN's layout too and hands those calls over.
+  - `Dpbf16Linear`: bf16 on CPUs with AVX512-BF16 (and a library built for it): csrc/dpbf16.c's
+    dot products on the plain weight for a few rows, where oneDNN streamed the weights well
+    below memory speed; oneDNN from `DPBF16_BELOW_ROWS` rows on."""
 
 from __future__ import annotations
 
@@ -16,19 +19,25 @@ import ctypes
 import torch
 from torch import nn
 
+from nanoserve.accel import kernels
 from nanoserve.utils import cpu
 
 ONEDNN_FROM_ROWS = 64
+# Below this the dpbf16 GEMM measured faster than oneDNN (clearly at 1-4 rows, where it streams
+# the weights near memory speed, about level at 6-7); at 8 it is bound by dpbf16's issue rate
+# and oneDNN's AMX path keeps up (scripts/bench/gemm_compare.py).
+DPBF16_BELOW_ROWS = 8
 
 
-def linear_kind(dtype: torch.dtype, c_gemm_fits: bool) -> str:
-    """The one dispatch rule: oneDNN for bf16 on native-bf16 CPUs (and whenever the C kernels
-    did not build), the C GEMM otherwise; float16 keeps nn.Linear."""
+def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False) -> str:
+    """The one dispatch rule: bf16 on native-bf16 CPUs takes the dpbf16 GEMM where the CPU has
+    AVX512-BF16 and the library was built with it (`dpbf16`), else oneDNN; oneDNN too whenever
+    the C kernels did not build; the C GEMM otherwise; float16 keeps nn.Linear."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "plain"  # float16 on a CPU: torch's own nn.Linear
-    if not c_gemm_fits:  # no C kernels here, or a shape they do not take
-        return "onednn"
-    return "onednn" if dtype == torch.bfloat16 and cpu.has_native_bf16() else "c"
+    if dtype == torch.bfloat16 and cpu.has_native_bf16():
+        return "dpbf16" if dpbf16 and "avx512_bf16" in cpu.cpu_flags() else "onednn"
+    return "c" if c_gemm_fits else "onednn"  # else: no C kernels here, or a shape they do not take
 
 
 class OneDNNLinear(nn.Module):
@@ -74,15 +83,45 @@ class PackedLinear(nn.Module):
         return y if rows is x else y.view(*x.shape[:-1], self.n)
 
 
+class Dpbf16Linear(nn.Module):
+    """bf16 below DPBF16_BELOW_ROWS rows: csrc/dpbf16.c, reading the plain weight as it is (any
+    N, any K); from there on oneDNN. Memory: the plain weight and oneDNN's reordered copy, as an
+    OneDNNLinear holds; the dpbf16 GEMM adds no copy of its own."""
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.onednn = OneDNNLinear(linear) if torch.backends.mkldnn.is_available() else None
+        self.plain = linear.weight.detach().contiguous()  # the parameter itself, unless strided
+        self.n, self.k = self.plain.shape
+        self.gemm, self.weight_ptr = lib.linear_dpbf16, self.plain.data_ptr()  # read once here
+        self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn is not None and x.numel() >= DPBF16_BELOW_ROWS * self.k:
+            return self.onednn.forward(x)  # not through nn.Module's __call__: ~150 calls a step
+        rows = x
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            rows = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
+        y = torch.empty(rows.shape[0], self.n, dtype=torch.bfloat16)
+        self.gemm(rows.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), self.n,
+                  rows.shape[0], self.k)
+        return y if rows is x else y.view(*x.shape[:-1], self.n)
+
+
 def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:
     """Swap every CPU nn.Linear of `model` for the module `linear_kind` picks (the C GEMM
-    needs a multiple of 16 outputs)."""
+    needs a multiple of 16 outputs; the dpbf16 one takes any)."""
+    dpbf16 = kernels.has_dpbf16(lib)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
                 continue
-            kind = linear_kind(child.weight.dtype, lib is not None and child.out_features % 16 == 0)
-            if kind == "c":
+            fits = lib is not None and child.out_features % 16 == 0
+            kind = linear_kind(child.weight.dtype, fits, dpbf16)
+            if kind == "dpbf16":
+                setattr(module, name, Dpbf16Linear(child, lib))
+            elif kind == "c":
                 setattr(module, name, PackedLinear(child, lib))
             elif kind == "onednn" and torch.backends.mkldnn.is_available():
                 setattr(module, name, OneDNNLinear(child))

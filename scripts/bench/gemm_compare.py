@@ -1,7 +1,8 @@
 """All of a decode step's linear layers (30 layers of SmolLM2-135M's shapes + lm_head, each with
 its own weights, so they stream from memory as in a real step), at M rows, in fp32 and bf16:
-nanoserve's C GEMM (accel/csrc/linear.c, packed panels), torch's oneDNN GEMM on pre-packed
-weights, and plain `F.linear`; and which one the default path takes on this CPU
+nanoserve's C GEMM (accel/csrc/linear.c, packed panels), its AVX512-BF16 GEMM for bf16
+(accel/csrc/dpbf16.c, on the plain weights; at every row count here, no handover), torch's oneDNN
+GEMM on pre-packed weights, and plain `F.linear`; and which one the default path takes on this CPU
 (accel/linear.py `linear_kind`). Interleaved rounds; medians.
 
     python scripts/bench/gemm_compare.py                       # both dtypes, 1/16/64/256 rows
@@ -18,12 +19,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.accel.kernels import compile_kernels
-from nanoserve.accel.linear import OneDNNLinear, PackedLinear, linear_kind, onednn_from_rows
+from nanoserve.accel.kernels import compile_kernels, has_dpbf16
+from nanoserve.accel.linear import (
+    DPBF16_BELOW_ROWS,
+    Dpbf16Linear,
+    OneDNNLinear,
+    PackedLinear,
+    linear_kind,
+    onednn_from_rows,
+)
 from nanoserve.utils import cpu
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-NAMES = {"c": "C GEMM", "onednn": "oneDNN packed"}
+NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM"}
+
+
+def dpbf16_only(linear: nn.Linear, lib) -> Dpbf16Linear:
+    module = Dpbf16Linear(linear, lib)
+    module.onednn = None  # the kernel itself at every row count
+    return module
 
 
 def main() -> None:
@@ -35,8 +49,9 @@ def main() -> None:
     lib = compile_kernels()
     print(f"{cpu.describe()}, torch threads {torch.get_num_threads()}, median of "
           f"{args.repeats} interleaved rounds, ms for all of one step's linears")
-    print("| dtype | rows | C GEMM ms | oneDNN packed ms | F.linear ms | default path takes |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | oneDNN packed ms | F.linear ms | "
+          "default path takes |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         torch.manual_seed(0)
         linears = [nn.Linear(k, n, bias=False).requires_grad_(False).to(dtype)
@@ -45,6 +60,8 @@ def main() -> None:
                 "plain": [lambda x, w=lin.weight: F.linear(x, w) for lin in linears]}
         if lib is not None:
             ways["c"] = [PackedLinear(lin, lib) for lin in linears]
+        if dtype == torch.bfloat16 and has_dpbf16(lib):
+            ways["dpbf16"] = [dpbf16_only(lin, lib) for lin in linears]
         for rows in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {name: [] for name in ways}
@@ -55,12 +72,14 @@ def main() -> None:
                         m(x[lin.in_features])
                     times[name].append(time.perf_counter() - t)
             ms = {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
-            c = f"{ms['c']:.1f}" if "c" in ms else "-"
-            took = NAMES[linear_kind(dtype, lib is not None)]
+            c, dp = (f"{ms[w]:.1f}" if w in ms else "-" for w in ("c", "dpbf16"))
+            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib))]
             if took == NAMES["c"] and rows >= (onednn_from_rows(dtype) or rows + 1):
                 took = NAMES["onednn"]  # PackedLinear hands large batches over
-            print(f"| {str(dtype)[6:]} | {rows} | {c} | {ms['onednn']:.1f} | {ms['plain']:.1f} | "
-                  f"{took} |", flush=True)
+            if took == NAMES["dpbf16"] and rows >= DPBF16_BELOW_ROWS:
+                took = NAMES["onednn"]  # so does Dpbf16Linear
+            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {ms['onednn']:.1f} | "
+                  f"{ms['plain']:.1f} | {took} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The fast path's linears: the C GEMM (csrc/linear.c) and oneDNN's pre-packed GEMM compute
-what nn.Linear computes, in fp32 and bf16 on every machine; which one a CPU gets, and
-dtype="auto", follow the CPU probe (faked here for each kind of CPU)."""
+"""The fast path's linears: the C GEMM (csrc/linear.c), the AVX512-BF16 GEMM (csrc/dpbf16.c, where
+the library was built with it) and oneDNN's pre-packed GEMM compute what nn.Linear computes, in
+fp32 and bf16; which one a CPU gets, and dtype="auto", follow the CPU probe (faked here for each
+kind of CPU)."""
 
 import pytest
 import torch
@@ -8,11 +9,33 @@ from torch import nn
 
 from nanoserve import config
 from nanoserve.accel import kernels
-from nanoserve.accel.linear import ONEDNN_FROM_ROWS, OneDNNLinear, PackedLinear, replace_linears
+from nanoserve.accel.linear import (
+    DPBF16_BELOW_ROWS,
+    ONEDNN_FROM_ROWS,
+    Dpbf16Linear,
+    OneDNNLinear,
+    PackedLinear,
+    replace_linears,
+)
 from nanoserve.utils import cpu
 
 LIB = kernels.compile_kernels()
 needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
+# The compiled code follows the real machine (-march=native), whatever CPU the probe is faked as.
+needs_dpbf16 = pytest.mark.skipif(not kernels.has_dpbf16(LIB),
+                                  reason="the kernels were not built with AVX512-BF16 here")
+
+
+def dpbf16_only(linear: nn.Linear) -> Dpbf16Linear:
+    """The dpbf16 GEMM at every row count: no handover to oneDNN."""
+    module = Dpbf16Linear(linear, LIB)
+    module.onednn = None
+    return module
+
+
+def bf16_reference(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    bias = 0 if linear.bias is None else linear.bias.float()
+    return (x.float() @ linear.weight.float().T + bias).to(torch.bfloat16)
 
 
 @needs_compiler
@@ -40,13 +63,71 @@ def test_packed_linear_bf16_and_leading_dims(leading):
     torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
 
 
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17])  # blocks of up to 8 rows
+@pytest.mark.parametrize("k, n", [(64, 96), (33, 50), (577, 17)])  # odd K and N, K % 32 tails
+@pytest.mark.parametrize("bias", [False, True])
+def test_dpbf16_linear_matches_the_float_sum_rounded_to_bf16(rows, k, n, bias):
+    torch.manual_seed(rows * k)
+    linear = nn.Linear(k, n, bias=bias).requires_grad_(False).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = dpbf16_only(linear)(x)
+    # Both round one float32 sum to bf16; the sums differ only in their order.
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, bf16_reference(x, linear), atol=1e-2, rtol=1e-2)
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("leading", [(1,), (2, 3), (1, 1, 5)])
+def test_dpbf16_linear_leading_dims_and_other_inputs(leading):
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 48, bias=True).requires_grad_(False).to(torch.bfloat16)
+    x = torch.randn(*leading, 40).to(torch.bfloat16)
+    module = dpbf16_only(linear)
+    with torch.inference_mode():
+        got = module(x)
+        assert got.shape == (*leading, 48)
+        torch.testing.assert_close(got, bf16_reference(x, linear), atol=1e-2, rtol=1e-2)
+        wide = torch.randn(40, 6).T  # float32 and strided: converted first
+        torch.testing.assert_close(module(wide), bf16_reference(wide.to(torch.bfloat16), linear),
+                                   atol=1e-2, rtol=1e-2)
+
+
+@needs_dpbf16
+def test_dpbf16_linear_hands_larger_batches_to_onednn():
+    linear = nn.Linear(40, 32).requires_grad_(False).to(torch.bfloat16)
+    module = Dpbf16Linear(linear, LIB)
+    handed = []
+    onednn_forward = module.onednn.forward
+    module.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
+    with torch.inference_mode():
+        for rows in (DPBF16_BELOW_ROWS - 1, DPBF16_BELOW_ROWS):
+            x = torch.randn(rows, 40).to(torch.bfloat16)
+            torch.testing.assert_close(module(x), bf16_reference(x, linear), atol=2e-2, rtol=2e-2)
+    assert handed == [DPBF16_BELOW_ROWS]
+
+
+def gemms_under_test(dtype: torch.dtype) -> list:
+    linear = nn.Linear(64, 96, bias=True).requires_grad_(False).to(dtype)
+    gemms = [PackedLinear(linear, LIB)]
+    if dtype == torch.bfloat16 and kernels.has_dpbf16(LIB):
+        gemms.append(dpbf16_only(linear))
+    return gemms
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
-    """The GEMM splits a batch into blocks of 1, 5 or 6 rows, but each block sums over k in the
-    same order: a row computed alone or in any batch gives the same bits."""
+    """The GEMMs split a batch into blocks (1, 5 or 6 rows; the dpbf16 one up to 8), but each
+    block sums over k in the same order: a row computed alone or in any batch gives the same
+    bits."""
     torch.manual_seed(0)
-    packed = PackedLinear(nn.Linear(64, 96, bias=True).requires_grad_(False).to(dtype), LIB)
+    for packed in gemms_under_test(dtype):
+        check_rows_alone_and_together(packed, dtype)
+
+
+def check_rows_alone_and_together(packed: nn.Module, dtype: torch.dtype) -> None:
     x = torch.randn(40, 64).to(dtype)
     with torch.inference_mode():
         full = packed(x)
@@ -66,21 +147,43 @@ def test_onednn_linear_matches_linear(dtype, rows):
         torch.testing.assert_close(OneDNNLinear(linear)(x), linear(x), atol=tol, rtol=tol)
 
 
+class LibBuiltFor:
+    """LIB as if built with (or without) csrc/dpbf16.c, whatever this machine is: its GEMM is
+    looked up, never called."""
+
+    linear_dpbf16 = None
+
+    def __init__(self, dpbf16: bool) -> None:
+        self.dpbf16 = dpbf16
+
+    def has_dpbf16(self) -> int:
+        return int(self.dpbf16)
+
+    def __getattr__(self, name: str):
+        return getattr(LIB, name)
+
+
 @needs_compiler
 @pytest.mark.parametrize("kind", ["avx2", "avx512_bf16", "amx"])
-def test_each_cpu_gets_its_faster_gemm(fake_cpu, kind):
-    """fp32: the C GEMM everywhere; bf16: oneDNN where the CPU has native bf16, else the C GEMM
-    (widening); a shape the C GEMM does not take, oneDNN; float16 stays nn.Linear."""
+@pytest.mark.parametrize("built_with_dpbf16", [True, False])
+def test_each_cpu_gets_its_faster_gemm(fake_cpu, kind, built_with_dpbf16):
+    """fp32: the C GEMM everywhere; bf16: the dpbf16 GEMM where the CPU has AVX512-BF16 and the
+    library was built with it (any N), else oneDNN where the CPU has native bf16, else the C GEMM
+    (widening); a shape the C GEMM does not take, oneDNN; float16 stays nn.Linear. (The module
+    is only built here, never run: a faked dpbf16 library is not called.)"""
     fake_cpu(kind)
+    lib = LibBuiltFor(built_with_dpbf16)
     native_bf16 = kind != "avx2"
     fp32 = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 32)),
                          nn.Linear(32, 20))  # 20 outputs: not a multiple of 16
-    replace_linears(fp32, LIB)
+    replace_linears(fp32, lib)
     assert [type(m) for m in (fp32[0], fp32[1][1], fp32[2])] == [PackedLinear, PackedLinear,
                                                                   OneDNNLinear]
-    bf16 = nn.Sequential(nn.Linear(8, 16)).to(torch.bfloat16)
-    replace_linears(bf16, LIB)
-    assert isinstance(bf16[0], OneDNNLinear if native_bf16 else PackedLinear)
+    bf16 = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 20)).to(torch.bfloat16)
+    replace_linears(bf16, lib)
+    bf16_gemm = Dpbf16Linear if native_bf16 and built_with_dpbf16 else OneDNNLinear
+    assert type(bf16[0]) is (bf16_gemm if native_bf16 else PackedLinear)
+    assert type(bf16[1]) is (Dpbf16Linear if bf16_gemm is Dpbf16Linear else OneDNNLinear)
     fp16 = nn.Sequential(nn.Linear(8, 16)).to(torch.float16)
     replace_linears(fp16, LIB)
     assert type(fp16[0]) is nn.Linear

@@ -1,10 +1,11 @@
 /* What the fast path's C kernels share. kernels.py builds them, once per machine, into one
  * library:
  *   linear.c    linear: §1, one weight read serving every row of the step;
+ *   dpbf16.c    linear_dpbf16: §1 for bf16 at a few rows, where the compiler targets AVX512-BF16;
  *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache;
  *   attention_avx512.c: its loop nest for CPUs with AVX-512 (and AVX512-BF16).
- * All compute in float32; bfloat16 values are widened on load and results rounded to nearest
- * even, as torch does. All arrays are contiguous and row-major.
+ * All sum in float32; bfloat16 values are widened on load (or multiplied in pairs by AVX512-BF16,
+ * exactly) and results rounded to nearest even, as torch does. All arrays are contiguous and row-major.
  */
 #pragma once
 #include <math.h>
