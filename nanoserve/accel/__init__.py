@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve.accel import kernels
 from nanoserve.accel.cuda_graph import CUDAGraphRunner
+from nanoserve.accel.fused import fuse_elementwise
 from nanoserve.accel.linear import replace_linears
 from nanoserve.accel.merged import merge_projections
 from nanoserve.accel.paged_attention import with_decode_kernel
@@ -36,6 +37,8 @@ def optimize(runner: ModelRunner) -> None:
     lib = kernels.compile_kernels()
     merge_projections(runner.model)  # q, k, v and gate, up: one GEMM each
     replace_linears(runner.model, lib)
+    if lib is not None:
+        fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
     if lib is not None and runner.backend.name == "torch":
         runner.backend = with_decode_kernel(runner.backend, lib)
         for attn in runner.attn_layers:  # the same cache, now read by the kernel

@@ -34,24 +34,32 @@ class MergedAttention(DecoderAttention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, k, v = self.heads(self.qkv_proj(x), cos, sin)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.view(x.shape[0], self.num_heads * self.head_dim))
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The merged rows [n, q | k | v] -> q, k [n, heads, head_dim] with RoPE, and v."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()  # the cache write's
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class MergedMLP(GatedMLP):
     """GatedMLP.forward with gate and up from one GEMM (`gate_up_proj`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def merge_projections(model: nn.Module) -> None:

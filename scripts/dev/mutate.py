@@ -39,12 +39,15 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/core/test_stop_tokens.py", "tests/core/test_properties.py",
               "tests/core/test_abort.py", "tests/core/test_validation.py",
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
-              "tests/accel/test_merged.py", "tests/accel/test_fast_path.py"]
+              "tests/accel/test_merged.py", "tests/accel/test_fused.py",
+              "tests/accel/test_fast_path.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
          "nanoserve/accel/csrc/linear.c": ["tests/accel/test_linear.py"],
          "nanoserve/accel/csrc/attention.c": ["tests/accel/test_paged_attention.py"],
+         "nanoserve/accel/csrc/attention_avx512.c": ["tests/accel/test_paged_attention.py"],
+         "nanoserve/accel/csrc/fused.c": ["tests/accel/test_fused.py"],
          "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
          "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
@@ -59,6 +62,7 @@ QUEUE = "nanoserve/engine/waiting_queue.py"
 GEMM, ATTN = "nanoserve/accel/csrc/linear.c", "nanoserve/accel/csrc/attention.c"
 HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
 DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
+WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/fused.c"
 
 
 @dataclass(frozen=True)
@@ -325,9 +329,34 @@ MUTANTS = [
            "fp32 hands a batch to oneDNN only above ONEDNN_FROM_ROWS rows, not from it",
            "each CPU gets the GEMM measured faster on it, by row count"),
     Mutant("merged_gate_and_up_swapped", MERGED,
-           "gate, up = self.gate_up_proj(x).chunk(2, dim=-1)",
-           "up, gate = self.gate_up_proj(x).chunk(2, dim=-1)",
+           "gate, up = gate_up.chunk(2, dim=-1)", "up, gate = gate_up.chunk(2, dim=-1)",
            "the merged MLP takes SiLU of the up projection instead of the gate's",
+           "the fast path computes what the reader's decoder computes"),
+    Mutant("wide_attention_scores_unscaled", WIDE,
+           "_mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale))", "sum_lanes16(s)",
+           "the AVX-512 decode kernel forgets the softmax scale",
+           "§5: the decode kernel equals naive attention"),
+    Mutant("wide_attention_lane_order", WIDE,
+           "_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15)",
+           "_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)",
+           "the 16-score lane sum puts tokens 4-11 in the wrong order",
+           "§5: the decode kernel equals naive attention"),
+    Mutant("wide_attention_group_tail_skipped", WIDE,
+           "      h -= most - hn; /* the next group starts at h + hn */\n", "",
+           "the AVX-512 V pass skips the heads after a split group's first 4",
+           "§5: the decode kernel equals naive attention (GQA)"),
+    Mutant("rms_norm_not_rounded_before_weight", FUSED,
+           "rounded(load(x, row + i, bf16) * inv, bf16)", "load(x, row + i, bf16) * inv",
+           "the fused bf16 RMSNorm multiplies the weight before rounding, unlike torch",
+           "the fast path computes what the reader's decoder computes"),
+    Mutant("rope_second_half_sign", FUSED,
+           "rounded(x2 * load(cos, c + i + half, bf16), bf16) +",
+           "rounded(x2 * load(cos, c + i + half, bf16), bf16) -",
+           "the fused RoPE subtracts where rotate_half adds",
+           "the fast path computes what the reader's decoder computes"),
+    Mutant("silu_of_up", FUSED,
+           "load(gate_up, g0 + I + i, bf16),", "load(gate_up, g0 + i, bf16),",
+           "the fused SiLU-and-multiply multiplies by the gate again instead of up",
            "the fast path computes what the reader's decoder computes"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",

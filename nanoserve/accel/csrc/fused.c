@@ -1,0 +1,106 @@
+#include "kernels.h"
+
+/* ---- §4's element-wise steps, float32 or bfloat16, one call each ----
+ * RMSNorm, the split of the merged q|k|v rows with RoPE, and SiLU-and-multiply: one pass over
+ * the rows where torch runs 3-10 small ops, each with its own pass over memory, its own output
+ * and, in bf16, its own widening and rounding. In bf16 `rounded` rounds where torch's bf16 ops
+ * round their results, so that both paths compute the same values. Work is split over threads
+ * only when it is large enough to pay for waking them (prefill chunks, not decode rows). */
+#define PARALLEL_ABOVE 16384 /* elements */
+/* Each loop below dispatches on bf16 inside its parallel region: a region is outlined into its
+ * own function before inlining, so a constant passed into it would arrive as a variable, and
+ * the loop would not become vector code. */
+
+/* x as one of torch's bf16 ops returns it (rounded to bf16), or x itself in float32. */
+static inline float rounded(float x, const int bf16) {
+  uint16_t half;
+  if (!bf16) return x;
+  store(&half, 0, x, 1);
+  return load(&half, 0, 1);
+}
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)) on one row, as HF's LlamaRMSNorm: the mean in
+ * float32, the normalized row rounded to x's dtype before the weight multiplies it. */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    const void* x, const void* weight, void* out, int64_t row, int dim, float eps,
+    const int bf16) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int i = 0; i < dim; ++i) sq += load(x, row + i, bf16) * load(x, row + i, bf16);
+  const float inv = 1.f / sqrtf(sq / dim + eps);
+#pragma omp simd
+  for (int i = 0; i < dim; ++i)
+    store(out, row + i, load(weight, i, bf16) * rounded(load(x, row + i, bf16) * inv, bf16),
+          bf16);
+}
+
+void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, float eps,
+              int bf16) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * dim > PARALLEL_ABOVE)
+  for (int r = 0; r < rows; ++r) {
+    if (bf16) rms_norm_row(x, weight, out, (int64_t)r * dim, dim, eps, 1);
+    else rms_norm_row(x, weight, out, (int64_t)r * dim, dim, eps, 0);
+  }
+}
+
+/* One head of D values from element s of src to element d of dst, rotated by RoPE with its
+ * token's cos and sin rows (element c): halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
+ * HF's x * cos + rotate_half(x) * sin, each product rounded as torch's ops round it. */
+static inline __attribute__((always_inline)) void rope_head(
+    const void* src, int64_t s, void* dst, int64_t d, const void* cos, const void* sin,
+    int64_t c, int D, const int bf16) {
+  const int half = D / 2;
+#pragma omp simd
+  for (int i = 0; i < half; ++i) {
+    const float x1 = load(src, s + i, bf16), x2 = load(src, s + i + half, bf16);
+    store(dst, d + i, rounded(x1 * load(cos, c + i, bf16), bf16) -
+                          rounded(x2 * load(sin, c + i, bf16), bf16), bf16);
+    store(dst, d + i + half, rounded(x2 * load(cos, c + i + half, bf16), bf16) +
+                                 rounded(x1 * load(sin, c + i + half, bf16), bf16), bf16);
+  }
+}
+
+/* Token t's row of qkv [n, (H + 2 Hkv) D] (the merged projection's output: q | k | v) into
+ * q [n, H, D] and k [n, Hkv, D], rotated, and v [n, Hkv, D], copied; cos, sin [n, D]. */
+static inline __attribute__((always_inline)) void qkv_rope_token(
+    const void* qkv, const void* cos, const void* sin, void* q, void* k, void* v, int64_t t,
+    int H, int Hkv, int D, const int bf16) {
+  const int64_t row = (int64_t)(H + 2 * Hkv) * D, c = t * D;
+  for (int h = 0; h < H; ++h) rope_head(qkv, t * row + h * D, q, (t * H + h) * D, cos, sin, c, D, bf16);
+  for (int h = 0; h < Hkv; ++h)
+    rope_head(qkv, t * row + (H + h) * D, k, (t * Hkv + h) * D, cos, sin, c, D, bf16);
+  const int esize = bf16 ? 2 : 4;
+  memcpy((char*)v + t * Hkv * D * esize, (const char*)qkv + (t * row + (int64_t)(H + Hkv) * D) * esize,
+         (size_t)Hkv * D * esize);
+}
+
+void qkv_rope(const void* qkv, const void* cos, const void* sin, void* q, void* k, void* v, int n,
+              int H, int Hkv, int D, int bf16) {
+#pragma omp parallel for schedule(static) if ((int64_t)n * (H + 2 * Hkv) * D > PARALLEL_ABOVE)
+  for (int t = 0; t < n; ++t) {
+    if (bf16) qkv_rope_token(qkv, cos, sin, q, k, v, t, H, Hkv, D, 1);
+    else qkv_rope_token(qkv, cos, sin, q, k, v, t, H, Hkv, D, 0);
+  }
+}
+
+/* out[t] = silu(gate) * up on token t's row of gate_up [n, 2I] (the merged projection's
+ * output: gate | up), silu(g) = g / (1 + e^-g) from e^-|g|, which never overflows. */
+static inline __attribute__((always_inline)) void silu_mul_row(
+    const void* gate_up, void* out, int64_t t, int I, const int bf16) {
+  const int64_t g0 = t * 2 * I, o0 = t * I;
+#pragma omp simd
+  for (int i = 0; i < I; ++i) {
+    const float g = load(gate_up, g0 + i, bf16), e = exp_nonpositive(g < 0.f ? g : -g);
+    store(out, o0 + i,
+          rounded(g * ((g >= 0.f ? 1.f : e) / (1.f + e)), bf16) * load(gate_up, g0 + I + i, bf16),
+          bf16);
+  }
+}
+
+void silu_mul(const void* gate_up, void* out, int n, int I, int bf16) {
+#pragma omp parallel for schedule(static) if ((int64_t)n * I > PARALLEL_ABOVE)
+  for (int t = 0; t < n; ++t) {
+    if (bf16) silu_mul_row(gate_up, out, t, I, 1);
+    else silu_mul_row(gate_up, out, t, I, 0);
+  }
+}
