@@ -4,8 +4,8 @@ in pyproject.toml), and calls it once the model and KV cache exist, unless `enfo
 It is the only place anything is swapped in, and it swaps whole modules:
   - CPU: q, k, v and gate, up are merged into one linear each (merged.py), and every nn.Linear
     becomes a packed GEMM (linear.py: oneDNN, csrc/linear.c or csrc/dpbf16.c, by CPU and row
-    count),
-    decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention.c),
+    count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
+    decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c),
     and freed buffers stay in the heap (kernels.keep_freed_memory, process-wide);
   - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).
 The results equal the plain path's (tests/accel/)."""
