@@ -10,7 +10,9 @@ the CPU has (nanoserve/utils/cpu.py), never per call:
     prefill chunks): there a PackedLinear keeps oneDNN's layout too and hands those calls over.
   - `Dpbf16Linear`: bf16 on CPUs with AVX512-BF16 (and a library built for it): csrc/dpbf16.c's
     dot products on the plain weight for a few rows, where oneDNN streamed the weights well
-    below memory speed; oneDNN from `DPBF16_BELOW_ROWS` rows on."""
+    below memory speed; oneDNN from `DPBF16_BELOW_ROWS` rows on.
+  - `AmxLinear` (amx_linear.py): bf16 on CPUs with AMX, for the shapes its tiles take, in place
+    of the dpbf16 GEMM and of oneDNN at decode batch sizes."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from nanoserve.accel import kernels
+from nanoserve.accel.amx_linear import AmxLinear, amx_fits
 from nanoserve.utils import cpu
 
 ONEDNN_FROM_ROWS = 64
@@ -29,13 +32,17 @@ ONEDNN_FROM_ROWS = 64
 DPBF16_BELOW_ROWS = 8
 
 
-def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False) -> str:
-    """The one dispatch rule: bf16 on native-bf16 CPUs takes the dpbf16 GEMM where the CPU has
-    AVX512-BF16 and the library was built with it (`dpbf16`), else oneDNN; oneDNN too whenever
-    the C kernels did not build; the C GEMM otherwise; float16 keeps nn.Linear."""
+def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False,
+                amx: bool = False) -> str:
+    """The one dispatch rule: bf16 on native-bf16 CPUs takes the AMX GEMM where the CPU has
+    amx_bf16 and the library has the kernel for this shape (`amx`), else the dpbf16 GEMM where the
+    CPU has AVX512-BF16 and the library was built with it (`dpbf16`), else oneDNN; oneDNN too
+    whenever the C kernels did not build; the C GEMM otherwise; float16 keeps nn.Linear."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "plain"  # float16 on a CPU: torch's own nn.Linear
     if dtype == torch.bfloat16 and cpu.has_native_bf16():
+        if amx and "amx_bf16" in cpu.cpu_flags():
+            return "amx"
         return "dpbf16" if dpbf16 and "avx512_bf16" in cpu.cpu_flags() else "onednn"
     return "c" if c_gemm_fits else "onednn"  # else: no C kernels here, or a shape they do not take
 
@@ -111,15 +118,18 @@ class Dpbf16Linear(nn.Module):
 
 def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:
     """Swap every CPU nn.Linear of `model` for the module `linear_kind` picks (the C GEMM
-    needs a multiple of 16 outputs; the dpbf16 one takes any)."""
-    dpbf16 = kernels.has_dpbf16(lib)
+    needs a multiple of 16 outputs; the dpbf16 one takes any; the AMX one, `amx_fits`)."""
+    dpbf16, amx = kernels.has_dpbf16(lib), kernels.has_amx(lib)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
                 continue
             fits = lib is not None and child.out_features % 16 == 0
-            kind = linear_kind(child.weight.dtype, fits, dpbf16)
-            if kind == "dpbf16":
+            kind = linear_kind(child.weight.dtype, fits, dpbf16, amx and amx_fits(child))
+            if kind == "amx":
+                onednn = OneDNNLinear(child) if torch.backends.mkldnn.is_available() else None
+                setattr(module, name, AmxLinear(child, lib, onednn))
+            elif kind == "dpbf16":
                 setattr(module, name, Dpbf16Linear(child, lib))
             elif kind == "c":
                 setattr(module, name, PackedLinear(child, lib))

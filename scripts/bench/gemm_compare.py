@@ -1,7 +1,8 @@
 """All of a decode step's linear layers (30 layers of SmolLM2-135M's shapes + lm_head, each with
 its own weights, so they stream from memory as in a real step), at M rows, in fp32 and bf16:
 nanoserve's C GEMM (accel/csrc/linear.c, packed panels), its AVX512-BF16 GEMM for bf16
-(accel/csrc/dpbf16.c, on the plain weights; at every row count here, no handover), torch's oneDNN
+(accel/csrc/dpbf16.c, on the plain weights) and its AMX GEMM (accel/csrc/amx.c, on tile-packed
+weights), each at every row count here (no handover), torch's oneDNN
 GEMM on pre-packed weights, and plain `F.linear`; and which one the default path takes on this CPU
 (accel/linear.py `linear_kind`). Interleaved rounds; medians.
 
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.accel.kernels import compile_kernels, has_dpbf16
+from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear
+from nanoserve.accel.kernels import compile_kernels, has_amx, has_dpbf16
 from nanoserve.accel.linear import (
     DPBF16_BELOW_ROWS,
     Dpbf16Linear,
@@ -31,7 +33,7 @@ from nanoserve.accel.linear import (
 from nanoserve.utils import cpu
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM"}
+NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx": "AMX GEMM"}
 
 
 def dpbf16_only(linear: nn.Linear, lib) -> Dpbf16Linear:
@@ -49,9 +51,10 @@ def main() -> None:
     lib = compile_kernels()
     print(f"{cpu.describe()}, torch threads {torch.get_num_threads()}, median of "
           f"{args.repeats} interleaved rounds, ms for all of one step's linears")
-    print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | oneDNN packed ms | F.linear ms | "
-          "default path takes |")
-    print("|---|---|---|---|---|---|---|")
+    amx = has_amx(lib)  # every LAYER shape fits its tiles
+    print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | AMX GEMM ms | oneDNN packed ms | "
+          "F.linear ms | default path takes |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         torch.manual_seed(0)
         linears = [nn.Linear(k, n, bias=False).requires_grad_(False).to(dtype)
@@ -62,6 +65,8 @@ def main() -> None:
             ways["c"] = [PackedLinear(lin, lib) for lin in linears]
         if dtype == torch.bfloat16 and has_dpbf16(lib):
             ways["dpbf16"] = [dpbf16_only(lin, lib) for lin in linears]
+        if dtype == torch.bfloat16 and amx:
+            ways["amx"] = [AmxLinear(lin, lib, None) for lin in linears]  # no handover
         for rows in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {name: [] for name in ways}
@@ -72,13 +77,15 @@ def main() -> None:
                         m(x[lin.in_features])
                     times[name].append(time.perf_counter() - t)
             ms = {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
-            c, dp = (f"{ms[w]:.1f}" if w in ms else "-" for w in ("c", "dpbf16"))
-            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib))]
+            c, dp, am = (f"{ms[w]:.1f}" if w in ms else "-" for w in ("c", "dpbf16", "amx"))
+            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib), amx)]
             if took == NAMES["c"] and rows >= (onednn_from_rows(dtype) or rows + 1):
                 took = NAMES["onednn"]  # PackedLinear hands large batches over
             if took == NAMES["dpbf16"] and rows >= DPBF16_BELOW_ROWS:
                 took = NAMES["onednn"]  # so does Dpbf16Linear
-            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {ms['onednn']:.1f} | "
+            if took == NAMES["amx"] and rows > AMX_MAX_ROWS:
+                took = NAMES["onednn"]  # and AmxLinear
+            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {am} | {ms['onednn']:.1f} | "
                   f"{ms['plain']:.1f} | {took} |", flush=True)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 import nanoserve
 from nanoserve import LLM
 from nanoserve.accel import kernels, optimize
+from nanoserve.accel.amx_linear import AmxLinear
 from nanoserve.accel.linear import Dpbf16Linear, OneDNNLinear, PackedLinear, linear_kind
 from nanoserve.engine.model_runner import fast_paths, prepare_inputs
 from tests.common.tiny_model import tiny_model_dir
@@ -46,8 +47,10 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
     runner = llm.model_runner
     linears = [m for name, m in runner.model.named_modules()
                if name.endswith("_proj") or name == "lm_head"]
-    kind = linear_kind(runner.dtype, True, kernels.has_dpbf16(kernels.compile_kernels()))
-    expected = {"c": PackedLinear, "onednn": OneDNNLinear, "dpbf16": Dpbf16Linear}[kind]
+    lib = kernels.compile_kernels()  # the tiny model's shapes all fit the AMX GEMM's tiles
+    kind = linear_kind(runner.dtype, True, kernels.has_dpbf16(lib), kernels.has_amx(lib))
+    expected = {"c": PackedLinear, "onednn": OneDNNLinear, "dpbf16": Dpbf16Linear,
+                "amx": AmxLinear}[kind]
     assert len(linears) == 4 * 2 + 1 and {type(m) for m in linears} == {expected}  # merged
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     backend = "torch+cpu-decode" if kernels.compile_kernels() else "torch"

@@ -1,0 +1,138 @@
+#include "kernels.h"
+
+/* ---- §1 on CPUs with AMX: the bf16 linears' GEMM at decode batch sizes ----
+ * y [M, N] = x [M, K] W^T (+ bias), all bf16, on AMX tiles. W is packed once at load (by
+ * accel/amx_linear.py) into the tiles' VNNI layout, [N / 16][K / 32][16 k-pairs][16 columns][2]:
+ * one 1 KB tile per 16 columns and 32 k, the tiles of a column group front to back, so W streams
+ * contiguously. Each tile is loaded once per call and serves up to 64 rows (4 accumulator tiles
+ * of 16 rows), x read from the cache for each. oneDNN's small-batch bf16 path streamed the same
+ * weights well below memory speed, with a large fixed cost per call. Needs N % 16 == 0 and
+ * K % 32 == 0 (the caller checks). Built only where the compiler targets AMX-BF16
+ * (-march=native); elsewhere only has_amx is here, and answers 0. */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+int has_amx(void) { return 1; }
+
+/* Linux hands out the tiles' 8 KB of register state only to a process that asks, once: 1 if
+ * granted (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), 0 if not (then AMX must not be used). */
+int amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+/* Tiles: 0-2 sums of 16 full rows each, 3 the sums of the pass's last (maybe partial) block, 4 the
+ * W tile, 5-6 x for the full blocks, 7 x for the last block. A pass is up to 64 rows; the last
+ * block's tiles are configured with its row count, so x is never read past its last row and no
+ * padded copy is needed. */
+enum { PASS_ROWS = 64, TILE_BYTES = 1024 };
+/* Each tile also asks for the one this many bytes ahead in the packed weight (its group's next
+ * tiles, or the next group's, which the same thread takes next under "guided" but for its last
+ * one). On the AMX VM this measured about level with the hardware prefetcher alone (and with
+ * other distances and hints): it is a guard against the tile loads waiting on memory. */
+enum { PREFETCH_BYTES = 8192 };
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((aligned(64))) tile_config;
+
+static tile_config config_for(int last_rows) {
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64; /* 16 floats, 16 column pairs of bf16, or 32 k of bf16 */
+    cfg.rows[t] = t == 3 || t == 7 ? last_rows : 16;
+  }
+  return cfg;
+}
+
+/* One column group's sums for one pass: FULL blocks of 16 rows (0..3) and a last block, over
+ * all of K in one order (chunk by chunk, each chunk's 32 products summed by the tile unit), the
+ * same for a row whatever rows are beside it. Always inlined: FULL is then a constant. */
+static inline __attribute__((always_inline)) void group_sums(
+    const uint8_t* x, const uint8_t* wg, int64_t x_stride, int chunks, float* sums,
+    const int FULL) {
+  if (FULL > 0) _tile_zero(0);
+  if (FULL > 1) _tile_zero(1);
+  if (FULL > 2) _tile_zero(2);
+  _tile_zero(3);
+  const uint8_t* last = x + FULL * 16 * x_stride;
+  for (int c = 0; c < chunks; ++c) {
+    const uint8_t* b = wg + (int64_t)c * TILE_BYTES;
+    /* As an integer: the last tiles' targets lie past W (a prefetch never faults). */
+    const uintptr_t ahead = (uintptr_t)b + PREFETCH_BYTES;
+    for (int line = 0; line < TILE_BYTES; line += 64)
+      _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+    _tile_loadd(4, b, 64);
+    const uint8_t* a = x + (int64_t)c * 64;
+    if (FULL > 0) {
+      _tile_loadd(5, a, x_stride);
+      _tile_dpbf16ps(0, 5, 4);
+    }
+    if (FULL > 1) {
+      _tile_loadd(6, a + 16 * x_stride, x_stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (FULL > 2) {
+      _tile_loadd(5, a + 32 * x_stride, x_stride);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    _tile_loadd(7, last + (int64_t)c * 64, x_stride);
+    _tile_dpbf16ps(3, 7, 4);
+  }
+  if (FULL > 0) _tile_stored(0, sums, 64);
+  if (FULL > 1) _tile_stored(1, sums + 256, 64);
+  if (FULL > 2) _tile_stored(2, sums + 512, 64);
+  _tile_stored(3, sums + FULL * 256, 64);
+}
+
+/* sums + bias, rounded to nearest even as store() does (vcvtneps2bf16 would flush subnormals). */
+static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
+  __m512i bits = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(sums), bias));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256((__m256i*)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+/* Passes of up to 64 rows (one pass at decode batch sizes: W read once per call); in each, one
+ * task per column group, "guided" handing out runs of adjacent groups, as linear() does. Each
+ * thread configures its own tiles and releases them at the end (else the kernel saves 8 KB of
+ * tile state at every context switch). */
+void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K) {
+  if (M <= 0) return;
+  const int groups = N / 16, chunks = K / 32;
+  const int64_t x_stride = (int64_t)K * 2;
+#pragma omp parallel
+  {
+    float sums[PASS_ROWS * 16] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < M; m0 += PASS_ROWS) {
+      const int rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
+      const int full = (rows - 1) / 16, last_rows = rows - 16 * full;
+      const tile_config cfg = config_for(last_rows);
+      _tile_loadconfig(&cfg);
+      const uint8_t* xp = (const uint8_t*)x + m0 * x_stride;
+#pragma omp for schedule(guided) nowait
+      for (int g = 0; g < groups; ++g) {
+        const uint8_t* wg = (const uint8_t*)w + (int64_t)g * chunks * TILE_BYTES;
+        /* One branch per block count: FULL a constant in each inlined copy. */
+        if (full == 0) group_sums(xp, wg, x_stride, chunks, sums, 0);
+        else if (full == 1) group_sums(xp, wg, x_stride, chunks, sums, 1);
+        else if (full == 2) group_sums(xp, wg, x_stride, chunks, sums, 2);
+        else group_sums(xp, wg, x_stride, chunks, sums, 3);
+        __m512 b = _mm512_setzero_ps();
+        if (bias) /* bf16 widened: its bits in a float's top half */
+          b = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias + g)), 16));
+        for (int r = 0; r < rows; ++r)
+          store_row((uint16_t*)y + (int64_t)(m0 + r) * N + g * 16, sums + r * 16, b);
+      }
+    }
+    _tile_release();
+  }
+}
+#else
+int has_amx(void) { return 0; }
+#endif
