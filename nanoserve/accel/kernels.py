@@ -1,6 +1,7 @@
 """The fast path's C kernels: §1's GEMMs (csrc/linear.c; csrc/dpbf16.c where the CPU has
-AVX512-BF16) and §5's decode attention (csrc/attention.c), built for this CPU into one library on
-first use, then cached. Without a C compiler the fast path uses the library's kernels only."""
+AVX512-BF16, csrc/dot_fp32.c where it has AVX-512) and §5's decode attention (csrc/attention.c),
+built for this CPU into one library on first use, then cached. Without a C compiler the fast path
+uses the library's kernels only."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # The last int of each but store_kv (which copies bytes): 1 if bf16.
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
-            "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": []}
+            "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_dot_fp32": []}
 # Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c): bf16 only, no flag.
-OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3}
+OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
+                     "linear_dot_fp32": [_P] * 4 + [_I] * 3}  # where it targets AVX-512F
 
 
 @functools.cache  # once per process
@@ -71,6 +73,11 @@ def has_dpbf16(lib: ctypes.CDLL | None) -> bool:
     """Whether `lib` was built with csrc/dpbf16.c's AVX512-BF16 GEMM (the compiler's target, not
     the CPU probe: a faked CPU cannot add instructions the library was not built with)."""
     return lib is not None and bool(lib.has_dpbf16())
+
+
+def has_dot_fp32(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` was built with csrc/dot_fp32.c's AVX-512 GEMM (as has_dpbf16: the target)."""
+    return lib is not None and bool(lib.has_dot_fp32())
 
 
 def keep_freed_memory() -> None:
