@@ -1,7 +1,8 @@
 """The fast path's C kernels: §1's GEMMs (csrc/linear.c; csrc/dpbf16.c where the CPU has
-AVX512-BF16, csrc/amx.c where it has AMX) and §5's decode attention (csrc/attention.c), built for
-this CPU into one library on first use, then cached. Without a C compiler the fast path uses the
-library's kernels only."""
+AVX512-BF16, csrc/amx.c where it has AMX, csrc/dot_fp32.c where it has AVX-512), the element-wise
+steps (csrc/fused.c) and §5's decode attention (csrc/attention*.c), built for this CPU into one
+library on first use, then cached. Without a C compiler the fast path uses the library's kernels
+only."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # The last int of each but store_kv (which copies bytes): 1 if bf16.
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
-            "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [],
+            "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [], "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,
             "silu_mul": [_P] * 2 + [_I] * 3}
-# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c): bf16 only, no flag.
+# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c), AMX (csrc/amx.c) or
+# AVX-512F (csrc/dot_fp32.c): the GEMMs have no dtype flag.
 OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
-                     "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": []}  # csrc/amx.c: AMX
+                     "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
+                     "linear_dot_fp32": [_P] * 4 + [_I] * 3}
 
 
 @functools.cache  # once per process
@@ -82,6 +85,11 @@ def has_amx(lib: ctypes.CDLL | None) -> bool:
     process use the tiles: asked here, before any use (without leave, the first tile instruction
     kills the process); asking again is harmless."""
     return lib is not None and bool(lib.has_amx()) and bool(lib.amx_init())
+
+
+def has_dot_fp32(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` was built with csrc/dot_fp32.c's AVX-512 GEMM (as has_dpbf16: the target)."""
+    return lib is not None and bool(lib.has_dot_fp32())
 
 
 def keep_freed_memory() -> None:

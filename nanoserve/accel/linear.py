@@ -12,7 +12,10 @@ the CPU has (nanoserve/utils/cpu.py), never per call:
     dot products on the plain weight for a few rows, where oneDNN streamed the weights well
     below memory speed; oneDNN from `DPBF16_BELOW_ROWS` rows on.
   - `AmxLinear` (amx_linear.py): bf16 on CPUs with AMX, for the shapes its tiles take, in place
-    of the dpbf16 GEMM and of oneDNN at decode batch sizes."""
+    of the dpbf16 GEMM and of oneDNN at decode batch sizes.
+  - `DotFp32Linear`: fp32 on CPUs with AVX-512 (and a library built for it): csrc/dot_fp32.c,
+    the same dot products in float32, below `DOT_FP32_BELOW_ROWS` rows; oneDNN from there on.
+    It takes PackedLinear's place there, and its packed copy of the weights."""
 
 from __future__ import annotations
 
@@ -30,16 +33,23 @@ ONEDNN_FROM_ROWS = 64
 # the weights near memory speed, about level at 6-7); at 8 it is bound by dpbf16's issue rate
 # and oneDNN's AMX path keeps up (scripts/bench/gemm_compare.py).
 DPBF16_BELOW_ROWS = 8
+# Up to here the fp32 dot-product GEMM measured faster than the packed C GEMM (clearly at 1-9
+# rows, memory-bound, about level from 16, where both are bound by the FMAs) and than oneDNN, so
+# on AVX-512 it replaces the packed GEMM below the rows oneDNN takes over from.
+DOT_FP32_BELOW_ROWS = ONEDNN_FROM_ROWS
 
 
 def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False,
-                amx: bool = False) -> str:
+                amx: bool = False, dot_fp32: bool = False) -> str:
     """The one dispatch rule: bf16 on native-bf16 CPUs takes the AMX GEMM where the CPU has
     amx_bf16 and the library has the kernel for this shape (`amx`), else the dpbf16 GEMM where the
-    CPU has AVX512-BF16 and the library was built with it (`dpbf16`), else oneDNN; oneDNN too
+    CPU has AVX512-BF16 and the library was built with it (`dpbf16`), else oneDNN; fp32 the
+    dot_fp32 GEMM where the CPU has AVX-512 and the library was built with it (`dot_fp32`); oneDNN
     whenever the C kernels did not build; the C GEMM otherwise; float16 keeps nn.Linear."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "plain"  # float16 on a CPU: torch's own nn.Linear
+    if dtype == torch.float32 and dot_fp32 and "avx512f" in cpu.cpu_flags():
+        return "dot_fp32"
     if dtype == torch.bfloat16 and cpu.has_native_bf16():
         if amx and "amx_bf16" in cpu.cpu_flags():
             return "amx"
@@ -116,19 +126,48 @@ class Dpbf16Linear(nn.Module):
         return y if rows is x else y.view(*x.shape[:-1], self.n)
 
 
+class DotFp32Linear(nn.Module):
+    """fp32 below DOT_FP32_BELOW_ROWS rows: csrc/dot_fp32.c on the plain weight (any N, any K);
+    from there on oneDNN. Memory: the plain weight and oneDNN's reordered copy, no packed one."""
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.onednn = OneDNNLinear(linear) if torch.backends.mkldnn.is_available() else None
+        self.plain = linear.weight.detach().contiguous()  # the parameter itself, unless strided
+        self.n, self.k = self.plain.shape
+        self.gemm, self.weight_ptr = lib.linear_dot_fp32, self.plain.data_ptr()  # read once here
+        self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn is not None and x.numel() >= DOT_FP32_BELOW_ROWS * self.k:
+            return self.onednn.forward(x)  # not through nn.Module's __call__, as Dpbf16Linear
+        rows = x
+        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+            rows = x.reshape(-1, self.k).to(torch.float32).contiguous()
+        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        self.gemm(rows.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), self.n,
+                  rows.shape[0], self.k)
+        return y if rows is x else y.view(*x.shape[:-1], self.n)
+
+
 def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:
     """Swap every CPU nn.Linear of `model` for the module `linear_kind` picks (the C GEMM
-    needs a multiple of 16 outputs; the dpbf16 one takes any; the AMX one, `amx_fits`)."""
+    needs a multiple of 16 outputs; the dot-product ones take any; the AMX one, `amx_fits`)."""
     dpbf16, amx = kernels.has_dpbf16(lib), kernels.has_amx(lib)
+    dot_fp32 = kernels.has_dot_fp32(lib)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
                 continue
             fits = lib is not None and child.out_features % 16 == 0
-            kind = linear_kind(child.weight.dtype, fits, dpbf16, amx and amx_fits(child))
+            kind = linear_kind(child.weight.dtype, fits, dpbf16, amx and amx_fits(child),
+                               dot_fp32=dot_fp32)
             if kind == "amx":
                 onednn = OneDNNLinear(child) if torch.backends.mkldnn.is_available() else None
                 setattr(module, name, AmxLinear(child, lib, onednn))
+            elif kind == "dot_fp32":
+                setattr(module, name, DotFp32Linear(child, lib))
             elif kind == "dpbf16":
                 setattr(module, name, Dpbf16Linear(child, lib))
             elif kind == "c":

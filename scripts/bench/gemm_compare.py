@@ -2,7 +2,8 @@
 its own weights, so they stream from memory as in a real step), at M rows, in fp32 and bf16:
 nanoserve's C GEMM (accel/csrc/linear.c, packed panels), its AVX512-BF16 GEMM for bf16
 (accel/csrc/dpbf16.c, on the plain weights) and its AMX GEMM (accel/csrc/amx.c, on tile-packed
-weights), each at every row count here (no handover), torch's oneDNN
+weights), its AVX-512 GEMM for fp32 (accel/csrc/dot_fp32.c, on the plain weights), each at every
+row count here (no handover), torch's oneDNN
 GEMM on pre-packed weights, and plain `F.linear`; and which one the default path takes on this CPU
 (accel/linear.py `linear_kind`). Interleaved rounds; medians.
 
@@ -21,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear
-from nanoserve.accel.kernels import compile_kernels, has_amx, has_dpbf16
+from nanoserve.accel.kernels import compile_kernels, has_amx, has_dot_fp32, has_dpbf16
 from nanoserve.accel.linear import (
+    DOT_FP32_BELOW_ROWS,
     DPBF16_BELOW_ROWS,
+    DotFp32Linear,
     Dpbf16Linear,
     OneDNNLinear,
     PackedLinear,
@@ -33,12 +36,19 @@ from nanoserve.accel.linear import (
 from nanoserve.utils import cpu
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx": "AMX GEMM"}
+NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx": "AMX GEMM",
+         "dot_fp32": "dot fp32 GEMM"}
 
 
 def dpbf16_only(linear: nn.Linear, lib) -> Dpbf16Linear:
     module = Dpbf16Linear(linear, lib)
     module.onednn = None  # the kernel itself at every row count
+    return module
+
+
+def dot_fp32_only(linear: nn.Linear, lib) -> DotFp32Linear:
+    module = DotFp32Linear(linear, lib)
+    module.onednn = None  # so this one too
     return module
 
 
@@ -52,9 +62,9 @@ def main() -> None:
     print(f"{cpu.describe()}, torch threads {torch.get_num_threads()}, median of "
           f"{args.repeats} interleaved rounds, ms for all of one step's linears")
     amx = has_amx(lib)  # every LAYER shape fits its tiles
-    print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | AMX GEMM ms | oneDNN packed ms | "
-          "F.linear ms | default path takes |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | AMX GEMM ms | dot fp32 GEMM ms | "
+          "oneDNN packed ms | F.linear ms | default path takes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         torch.manual_seed(0)
         linears = [nn.Linear(k, n, bias=False).requires_grad_(False).to(dtype)
@@ -67,6 +77,8 @@ def main() -> None:
             ways["dpbf16"] = [dpbf16_only(lin, lib) for lin in linears]
         if dtype == torch.bfloat16 and amx:
             ways["amx"] = [AmxLinear(lin, lib, None) for lin in linears]  # no handover
+        if dtype == torch.float32 and has_dot_fp32(lib):
+            ways["dot_fp32"] = [dot_fp32_only(lin, lib) for lin in linears]
         for rows in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {name: [] for name in ways}
@@ -77,15 +89,19 @@ def main() -> None:
                         m(x[lin.in_features])
                     times[name].append(time.perf_counter() - t)
             ms = {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
-            c, dp, am = (f"{ms[w]:.1f}" if w in ms else "-" for w in ("c", "dpbf16", "amx"))
-            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib), amx)]
+            c, dp, am, dot = (f"{ms[w]:.1f}" if w in ms else "-"
+                              for w in ("c", "dpbf16", "amx", "dot_fp32"))
+            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib), amx,
+                                     dot_fp32=has_dot_fp32(lib))]
             if took == NAMES["c"] and rows >= (onednn_from_rows(dtype) or rows + 1):
                 took = NAMES["onednn"]  # PackedLinear hands large batches over
             if took == NAMES["dpbf16"] and rows >= DPBF16_BELOW_ROWS:
                 took = NAMES["onednn"]  # so does Dpbf16Linear
             if took == NAMES["amx"] and rows > AMX_MAX_ROWS:
                 took = NAMES["onednn"]  # and AmxLinear
-            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {am} | {ms['onednn']:.1f} | "
+            if took == NAMES["dot_fp32"] and rows >= DOT_FP32_BELOW_ROWS:
+                took = NAMES["onednn"]  # and DotFp32Linear
+            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {am} | {dot} | {ms['onednn']:.1f} | "
                   f"{ms['plain']:.1f} | {took} |", flush=True)
 
 

@@ -7,8 +7,9 @@ decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of
 "attention" = full step - step without attention (the decode kernel and the C cache write);
 "GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
 residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
-Only the C GEMM is replaced: where the fast path takes oneDNN (bf16 on native-bf16 CPUs, fp32
-from 64 rows on AVX-512), its GEMMs stay in "the rest"; use gemm_compare.py for those.
+Only the C GEMMs of PackedLinear and DotFp32Linear are replaced: where the fast path takes oneDNN
+(bf16 on native-bf16 CPUs, fp32 from 64 rows on AVX-512) or the dpbf16 GEMM, its GEMMs stay in
+"the rest"; use gemm_compare.py for those.
 """
 
 from __future__ import annotations
@@ -25,18 +26,19 @@ import torch
 from step_times import decode_batch, make_runner
 
 from nanoserve.accel import kernels, paged_attention
-from nanoserve.accel.linear import PackedLinear
+from nanoserve.accel.linear import DotFp32Linear, PackedLinear
 from nanoserve.layers.attention import select_backend
 
 
 def no_op_library(directory: str) -> ctypes.CDLL:
     """The kernels' names, each doing nothing."""
     source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
+    names = {**kernels.ARGTYPES, **kernels.OPTIONAL_ARGTYPES}
     source.write_text("".join(f"int {name}(void) {{ return -1; }}\n"  # -1: "no error"
-                                 for name in kernels.ARGTYPES))
+                                 for name in names))
     subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
     lib = ctypes.CDLL(str(target))
-    for name, argtypes in kernels.ARGTYPES.items():
+    for name, argtypes in names.items():
         getattr(lib, name).argtypes = argtypes
     return lib
 
@@ -55,7 +57,7 @@ def main() -> None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
     runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
     twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
-    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in runner.model.modules() if isinstance(m, (PackedLinear, DotFp32Linear))]
     with tempfile.TemporaryDirectory() as tmp:
         noop = no_op_library(tmp)
         variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
@@ -70,7 +72,8 @@ def main() -> None:
                     for layer in runner.attn_layers:
                         layer.backend = backend
                     for linear in linears:
-                        linear.gemm = gemm_lib.linear
+                        linear.gemm = (gemm_lib.linear if isinstance(linear, PackedLinear)
+                                       else gemm_lib.linear_dot_fp32)
                     t = time.perf_counter()
                     runner.execute_model(out)
                     if step >= 2:

@@ -9,7 +9,13 @@ from torch import nn
 
 from nanoserve.accel import kernels
 from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear, amx_fits, pack_tiles
-from nanoserve.accel.linear import Dpbf16Linear, OneDNNLinear, PackedLinear, replace_linears
+from nanoserve.accel.linear import (
+    DotFp32Linear,
+    Dpbf16Linear,
+    OneDNNLinear,
+    PackedLinear,
+    replace_linears,
+)
 from tests.accel.test_linear import LIB, bf16_reference, check_rows_alone_and_together
 
 needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
@@ -126,8 +132,9 @@ def test_only_an_amx_cpu_with_an_amx_library_gets_the_amx_gemm(fake_cpu, kind, b
     assert type(model[0]) is (AmxLinear if amx else others[kind])
     assert type(model[1]) is others[kind]
     fp32 = nn.Sequential(nn.Linear(64, 32))
-    replace_linears(fp32, lib)
-    assert type(fp32[0]) is PackedLinear
+    replace_linears(fp32, lib)  # fp32 never takes the AMX GEMM
+    wide = kind != "avx2" and kernels.has_dot_fp32(LIB)
+    assert type(fp32[0]) is (DotFp32Linear if wide else PackedLinear)
 
 
 @needs_amx

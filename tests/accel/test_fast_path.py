@@ -15,7 +15,13 @@ import nanoserve
 from nanoserve import LLM
 from nanoserve.accel import kernels, optimize
 from nanoserve.accel.amx_linear import AmxLinear
-from nanoserve.accel.linear import Dpbf16Linear, OneDNNLinear, PackedLinear, linear_kind
+from nanoserve.accel.linear import (
+    DotFp32Linear,
+    Dpbf16Linear,
+    OneDNNLinear,
+    PackedLinear,
+    linear_kind,
+)
 from nanoserve.engine.model_runner import fast_paths, prepare_inputs
 from tests.common.tiny_model import tiny_model_dir
 
@@ -48,9 +54,10 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
     linears = [m for name, m in runner.model.named_modules()
                if name.endswith("_proj") or name == "lm_head"]
     lib = kernels.compile_kernels()  # the tiny model's shapes all fit the AMX GEMM's tiles
-    kind = linear_kind(runner.dtype, True, kernels.has_dpbf16(lib), kernels.has_amx(lib))
+    kind = linear_kind(runner.dtype, True, kernels.has_dpbf16(lib), kernels.has_amx(lib),
+                       dot_fp32=kernels.has_dot_fp32(lib))
     expected = {"c": PackedLinear, "onednn": OneDNNLinear, "dpbf16": Dpbf16Linear,
-                "amx": AmxLinear}[kind]
+                "amx": AmxLinear, "dot_fp32": DotFp32Linear}[kind]
     assert len(linears) == 4 * 2 + 1 and {type(m) for m in linears} == {expected}  # merged
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     backend = "torch+cpu-decode" if kernels.compile_kernels() else "torch"
@@ -63,7 +70,8 @@ def test_enforce_eager_is_the_plain_model(freed_memory_calls):
     llm = LLM(tiny_model_dir(), dtype="float32", enforce_eager=True, num_kv_blocks=8,
               skip_tokenizer_init=True)
     runner = llm.model_runner
-    assert not any(isinstance(m, (PackedLinear, OneDNNLinear)) for m in runner.model.modules())
+    fast = (PackedLinear, OneDNNLinear, DotFp32Linear)
+    assert not any(isinstance(m, fast) for m in runner.model.modules())
     assert runner.backend.name == "torch" and freed_memory_calls == []
 
 

@@ -159,6 +159,9 @@ class LibBuiltFor:
     def has_dpbf16(self) -> int:
         return int(self.dpbf16)
 
+    def has_dot_fp32(self) -> int:
+        return 0  # fp32's AVX-512 GEMM: tests/accel/test_dot_fp32.py
+
     def __getattr__(self, name: str):
         return getattr(LIB, name)
 

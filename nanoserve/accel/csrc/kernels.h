@@ -3,6 +3,7 @@
  *   linear.c    linear: §1, one weight read serving every row of the step;
  *   dpbf16.c    linear_dpbf16: §1 for bf16 at a few rows, where the compiler targets AVX512-BF16;
  *   amx.c       linear_amx: §1 for bf16 at decode batch sizes, where it targets AMX-BF16;
+ *   dot_fp32.c  linear_dot_fp32: §1 for fp32 below oneDNN's rows, where it targets AVX-512F;
  *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache;
  *   attention_avx512.c: its loop nest for CPUs with AVX-512 (and AVX512-BF16).
  * All sum in float32; bfloat16 values are widened on load (or multiplied in pairs by AVX512-BF16,

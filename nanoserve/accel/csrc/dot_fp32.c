@@ -1,0 +1,111 @@
+#include "kernels.h"
+
+/* ---- §1 on CPUs with AVX-512: the float32 linears' GEMM below oneDNN's handover ----
+ * y [M, N] = x [M, K] W^T (+ bias), all float32, W the plain nn.Linear weight [N, K]: no packed
+ * copy. dpbf16.c's float32 sibling: each output is a dot product of two contiguous rows, 16 k at
+ * a time with one FMA, so W streams front to back, one 64-byte load serving every row of the
+ * block. linear.c's packed GEMM (8-wide vectors, 16-column panels) streamed the weights well
+ * below memory speed at a few rows. Built only where the compiler targets AVX-512F
+ * (-march=native); elsewhere only has_dot_fp32 is here, and answers 0. */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+int has_dot_fp32(void) { return 1; }
+
+/* Up to 6 rows x 4 columns a block: 24 accumulators + 6 rows of x + 1 weight vector in the 32
+ * registers, 10 loads per 24 FMAs. At a few rows the kernel is bound by memory, from ~8 rows
+ * on by the FMAs; 6 x 4 measured as fast as the best shape of each row count (8 x 2, 8 x 3,
+ * 4 x 4, 5 x 4, 4 x 6; 8-wide vectors were slower), so there is one shape for all. */
+enum { MAX_ROWS = 6, COLS = 4 };
+/* The hardware prefetcher alone streamed W well below memory speed: each load also asks for the
+ * same k of the column one group ahead, into L2 (two or four groups ahead measured no faster). */
+enum { PREFETCH_COLS = 4 };
+
+/* Rows m0 .. m0 + ROWS - 1 times columns n0 .. n0 + NC - 1 (NC <= COLS). Each (row, column)
+ * sums its k in one fixed order (16 lanes, k ascending, then the lanes' sum) whatever ROWS and
+ * NC are: a row's result does not depend on the rows beside it. Only the first block of rows
+ * prefetches: the next ones find the group in L1. Always inlined: ROWS and NC are then
+ * constants and `acc` stays in registers. */
+static inline __attribute__((always_inline)) void dot_block(
+    const float* x, const float* w, const float* bias, float* y, int N, int K, int m0, int n0,
+    const int ROWS, const int NC, const int prefetch) {
+  __m512 acc[MAX_ROWS][COLS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* xr = x + (int64_t)m0 * K;
+  const float* wc = w + (int64_t)n0 * K;
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) xv[r] = _mm512_loadu_ps(xr + (int64_t)r * K + k);
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const float* wp = wc + (int64_t)c * K + k;
+      const __m512 wv = _mm512_loadu_ps(wp);
+      /* As an integer: the last group's addresses lie past W (a prefetch never faults). */
+      if (prefetch)
+        __builtin_prefetch((const void*)((uintptr_t)wp + (uintptr_t)PREFETCH_COLS * K * 4), 0, 2);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
+    }
+  }
+  if (k < K) {
+    /* The tail (K not a multiple of 16) loads zeros past K: masked-off lanes are neither read
+     * nor faulted on. Its own step, not a mask in every step: masked loads in the main loop
+     * measured slower from ~16 rows on, where the FMAs bound the kernel. */
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    __m512 xv[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) xv[r] = _mm512_maskz_loadu_ps(mask, xr + (int64_t)r * K + k);
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, wc + (int64_t)c * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
+    }
+  }
+  /* Unrolled, as the loops above: a loop here would keep `acc` in memory all along. */
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c)
+      y[(int64_t)(m0 + r) * N + n0 + c] =
+          _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[n0 + c] : 0.f);
+}
+
+/* Columns n0 .. n0 + NC - 1, every row: M in ceil(M / MAX_ROWS) blocks of as even a size as
+ * can be (16 = 6 + 5 + 5, not 6 + 6 + 4), the group's weights read again from L1 for each block
+ * after the first. One branch per row count: ROWS a constant in each inlined copy. */
+static inline __attribute__((always_inline)) void dot_columns(
+    const float* x, const float* w, const float* bias, float* y, int N, int M, int K, int n0,
+    const int NC) {
+  const int blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+  for (int b = 0, m0 = 0, rows; b < blocks; ++b, m0 += rows) {
+    rows = M / blocks + (b < M % blocks);
+    const int first = b == 0;
+    if (rows == 1) dot_block(x, w, bias, y, N, K, m0, n0, 1, NC, first);
+    else if (rows == 2) dot_block(x, w, bias, y, N, K, m0, n0, 2, NC, first);
+    else if (rows == 3) dot_block(x, w, bias, y, N, K, m0, n0, 3, NC, first);
+    else if (rows == 4) dot_block(x, w, bias, y, N, K, m0, n0, 4, NC, first);
+    else if (rows == 5) dot_block(x, w, bias, y, N, K, m0, n0, 5, NC, first);
+    else dot_block(x, w, bias, y, N, K, m0, n0, 6, NC, first);
+  }
+}
+
+/* One task per group of COLS adjacent columns (COLS rows of W, contiguous); "guided" hands out
+ * runs of adjacent groups, as linear() does. The last N % COLS columns one at a time (a handful
+ * per layer, and only where N is not a multiple of 4). */
+void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
+                     int K) {
+  const int groups = N / COLS;
+#pragma omp parallel for schedule(guided)
+  for (int g = 0; g < groups; ++g) dot_columns(x, w, bias, y, N, M, K, g * COLS, COLS);
+  for (int n = groups * COLS; n < N; ++n) dot_columns(x, w, bias, y, N, M, K, n, 1);
+}
+#else
+int has_dot_fp32(void) { return 0; }
+#endif
