@@ -40,6 +40,7 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/core/test_abort.py", "tests/core/test_validation.py",
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
               "tests/accel/test_merged.py", "tests/accel/test_fused.py",
+              "tests/accel/test_amx.py", "tests/accel/test_dot_fp32.py",
               "tests/accel/test_fast_path.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -48,6 +49,8 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
          "nanoserve/accel/csrc/attention.c": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/csrc/attention_avx512.c": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/csrc/fused.c": ["tests/accel/test_fused.py"],
+         "nanoserve/accel/csrc/amx.c": ["tests/accel/test_amx.py"],
+         "nanoserve/accel/csrc/dot_fp32.c": ["tests/accel/test_dot_fp32.py"],
          "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
          "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
@@ -63,6 +66,7 @@ GEMM, ATTN = "nanoserve/accel/csrc/linear.c", "nanoserve/accel/csrc/attention.c"
 HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
 DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
 WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/fused.c"
+AMX, DOT32 = "nanoserve/accel/csrc/amx.c", "nanoserve/accel/csrc/dot_fp32.c"
 
 
 @dataclass(frozen=True)
@@ -358,6 +362,20 @@ MUTANTS = [
            "load(gate_up, g0 + I + i, bf16),", "load(gate_up, g0 + i, bf16),",
            "the fused SiLU-and-multiply multiplies by the gate again instead of up",
            "the fast path computes what the reader's decoder computes"),
+    Mutant("amx_bias_of_group_0", AMX,
+           "_mm256_loadu_si256((const __m256i*)bias + g)), 16));",
+           "_mm256_loadu_si256((const __m256i*)bias)), 16));",
+           "the AMX GEMM adds the first 16 columns' bias to every column group",
+           "§1: the AMX GEMM equals nn.Linear"),
+    Mutant("amx_third_block_reuses_the_first", AMX,
+           "_tile_loadd(5, a + 32 * x_stride, x_stride);", "_tile_loadd(5, a, x_stride);",
+           "the AMX GEMM's rows 32-47 get rows 0-15's sums",
+           "§1: the AMX GEMM equals nn.Linear"),
+    Mutant("dot_fp32_tail_unmasked_lane", DOT32,
+           "const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);",
+           "const __mmask16 mask = (__mmask16)((1u << (K - k)) - 2);",
+           "the fp32 dot-product GEMM drops the first value of the K tail",
+           "§1: the dot-product GEMM equals nn.Linear"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",
