@@ -161,7 +161,7 @@ static int first_bad_request(const int32_t* block_table, const int32_t* lens, in
 int paged_decode(ARGS, int bf16) {
   const int bad = first_bad_request(block_table, lens, B, W, block_size, num_blocks);
   if (bad >= 0) return bad;
-#pragma omp parallel
+#pragma omp parallel if (B > 1) /* one request: no thread to wake for it */
   {
     struct scratch buf = {0};
 #pragma omp for schedule(dynamic, 1)
