@@ -12,6 +12,8 @@ import ctypes
 import torch
 from torch import nn
 
+from nanoserve.accel import kernels
+
 # Up to this many rows (csrc/amx.c's pass: each weight tile read once, serving every row) the AMX
 # GEMM measured faster than oneDNN, clearly to 32 rows, a little at 48-64; each further pass reads
 # the weights again, and oneDNN's blocking measured faster from the next size up
@@ -56,10 +58,4 @@ class AmxLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn is not None and x.numel() > AMX_MAX_ROWS * self.k:
             return self.onednn.forward(x)  # not through nn.Module's __call__: ~150 calls a step
-        rows = x
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-            rows = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=torch.bfloat16)
-        self.gemm(rows.data_ptr(), self.packed_ptr, self.bias_ptr, y.data_ptr(), self.n,
-                  rows.shape[0], self.k)
-        return y if rows is x else y.view(*x.shape[:-1], self.n)
+        return kernels.c_gemm(x, self, torch.bfloat16, self.packed_ptr)

@@ -17,6 +17,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from nanoserve.utils.bundled import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
@@ -102,3 +105,17 @@ def keep_freed_memory() -> None:
     if hasattr(libc, "gnu_get_libc_version"):
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: allocate up to 32 MB from the heap...
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: ...and keep up to 256 MB of it when freed
+
+
+def c_gemm(x: torch.Tensor, module: nn.Module, dtype: torch.dtype, weight_ptr: int,
+           *flag: int) -> torch.Tensor:
+    """x [..., k] -> [..., n] through `module.gemm`, a C GEMM taking (x, w, bias, y, N, M, K[,
+    flag]) in `dtype`. The model's activations are already [tokens, k], contiguous, this dtype:
+    then nothing is copied."""
+    n, k, rows = module.n, module.k, x
+    if x.dim() != 2 or x.dtype != dtype or not x.is_contiguous():
+        rows = x.reshape(-1, k).to(dtype).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=dtype)
+    module.gemm(rows.data_ptr(), weight_ptr, module.bias_ptr, y.data_ptr(), n, rows.shape[0], k,
+                *flag)
+    return y if rows is x else y.view(*x.shape[:-1], n)

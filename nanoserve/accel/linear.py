@@ -91,19 +91,17 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn is not None and x.numel() >= self.from_rows * self.k:
             return self.onednn(x)
-        rows = x  # the model's activations are already [tokens, k], contiguous, this dtype
-        if x.dim() != 2 or x.dtype != self.dtype or not x.is_contiguous():
-            rows = x.reshape(-1, self.k).to(self.dtype).contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=self.dtype)
-        self.gemm(rows.data_ptr(), self.packed_ptr, self.bias_ptr, y.data_ptr(), self.n,
-                  rows.shape[0], self.k, self.dtype == torch.bfloat16)
-        return y if rows is x else y.view(*x.shape[:-1], self.n)
+        return kernels.c_gemm(x, self, self.dtype, self.packed_ptr, self.dtype == torch.bfloat16)
 
 
-class Dpbf16Linear(nn.Module):
-    """bf16 below DPBF16_BELOW_ROWS rows: csrc/dpbf16.c, reading the plain weight as it is (any
-    N, any K); from there on oneDNN. Memory: the plain weight and oneDNN's reordered copy, as an
-    OneDNNLinear holds; the dpbf16 GEMM adds no copy of its own."""
+class DotLinear(nn.Module):
+    """A dot-product C GEMM on the plain weight as it is (any N, any K) below `below_rows` rows;
+    from there on oneDNN. Memory: the plain weight and oneDNN's reordered copy, as an
+    OneDNNLinear holds; the C GEMM adds no copy of its own."""
+
+    dtype: torch.dtype
+    kernel: str  # the library's function
+    below_rows: int
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
@@ -111,44 +109,26 @@ class Dpbf16Linear(nn.Module):
         self.onednn = OneDNNLinear(linear) if torch.backends.mkldnn.is_available() else None
         self.plain = linear.weight.detach().contiguous()  # the parameter itself, unless strided
         self.n, self.k = self.plain.shape
-        self.gemm, self.weight_ptr = lib.linear_dpbf16, self.plain.data_ptr()  # read once here
+        self.gemm, self.weight_ptr = getattr(lib, self.kernel), self.plain.data_ptr()  # once
         self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.numel() >= DPBF16_BELOW_ROWS * self.k:
+        if self.onednn is not None and x.numel() >= self.below_rows * self.k:
             return self.onednn.forward(x)  # not through nn.Module's __call__: ~150 calls a step
-        rows = x
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-            rows = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=torch.bfloat16)
-        self.gemm(rows.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), self.n,
-                  rows.shape[0], self.k)
-        return y if rows is x else y.view(*x.shape[:-1], self.n)
+        return kernels.c_gemm(x, self, self.dtype, self.weight_ptr)
 
 
-class DotFp32Linear(nn.Module):
-    """fp32 below DOT_FP32_BELOW_ROWS rows: csrc/dot_fp32.c on the plain weight (any N, any K);
-    from there on oneDNN. Memory: the plain weight and oneDNN's reordered copy, no packed one."""
+class Dpbf16Linear(DotLinear):
+    """bf16 below DPBF16_BELOW_ROWS rows: csrc/dpbf16.c (AVX512-BF16)."""
 
-    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.onednn = OneDNNLinear(linear) if torch.backends.mkldnn.is_available() else None
-        self.plain = linear.weight.detach().contiguous()  # the parameter itself, unless strided
-        self.n, self.k = self.plain.shape
-        self.gemm, self.weight_ptr = lib.linear_dot_fp32, self.plain.data_ptr()  # read once here
-        self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
+    dtype, kernel, below_rows = torch.bfloat16, "linear_dpbf16", DPBF16_BELOW_ROWS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.numel() >= DOT_FP32_BELOW_ROWS * self.k:
-            return self.onednn.forward(x)  # not through nn.Module's __call__, as Dpbf16Linear
-        rows = x
-        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
-            rows = x.reshape(-1, self.k).to(torch.float32).contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
-        self.gemm(rows.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), self.n,
-                  rows.shape[0], self.k)
-        return y if rows is x else y.view(*x.shape[:-1], self.n)
+
+class DotFp32Linear(DotLinear):
+    """fp32 below DOT_FP32_BELOW_ROWS rows: csrc/dot_fp32.c (AVX-512), in PackedLinear's place
+    and without its packed copy."""
+
+    dtype, kernel, below_rows = torch.float32, "linear_dot_fp32", DOT_FP32_BELOW_ROWS
 
 
 def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:

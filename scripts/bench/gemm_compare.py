@@ -27,6 +27,7 @@ from nanoserve.accel.linear import (
     DOT_FP32_BELOW_ROWS,
     DPBF16_BELOW_ROWS,
     DotFp32Linear,
+    DotLinear,
     Dpbf16Linear,
     OneDNNLinear,
     PackedLinear,
@@ -40,15 +41,9 @@ NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx
          "dot_fp32": "dot fp32 GEMM"}
 
 
-def dpbf16_only(linear: nn.Linear, lib) -> Dpbf16Linear:
-    module = Dpbf16Linear(linear, lib)
+def kernel_only(cls: type[DotLinear], linear: nn.Linear, lib) -> DotLinear:
+    module = cls(linear, lib)
     module.onednn = None  # the kernel itself at every row count
-    return module
-
-
-def dot_fp32_only(linear: nn.Linear, lib) -> DotFp32Linear:
-    module = DotFp32Linear(linear, lib)
-    module.onednn = None  # so this one too
     return module
 
 
@@ -74,11 +69,11 @@ def main() -> None:
         if lib is not None:
             ways["c"] = [PackedLinear(lin, lib) for lin in linears]
         if dtype == torch.bfloat16 and has_dpbf16(lib):
-            ways["dpbf16"] = [dpbf16_only(lin, lib) for lin in linears]
+            ways["dpbf16"] = [kernel_only(Dpbf16Linear, lin, lib) for lin in linears]
         if dtype == torch.bfloat16 and amx:
             ways["amx"] = [AmxLinear(lin, lib, None) for lin in linears]  # no handover
         if dtype == torch.float32 and has_dot_fp32(lib):
-            ways["dot_fp32"] = [dot_fp32_only(lin, lib) for lin in linears]
+            ways["dot_fp32"] = [kernel_only(DotFp32Linear, lin, lib) for lin in linears]
         for rows in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {name: [] for name in ways}
