@@ -6,7 +6,8 @@ It is the only place anything is swapped in, and it swaps whole modules:
     becomes a packed GEMM (linear.py: oneDNN, csrc/linear.c or csrc/dpbf16.c, by CPU and row
     count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
     decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c),
-    and freed buffers stay in the heap (kernels.keep_freed_memory, process-wide);
+    a decode step's layer is one C call of those kernels (layer.py, csrc/layer.c), and freed
+    buffers stay in the heap (kernels.keep_freed_memory, process-wide);
   - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).
 The results equal the plain path's (tests/accel/)."""
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from nanoserve.accel import kernels
 from nanoserve.accel.cuda_graph import CUDAGraphRunner
 from nanoserve.accel.fused import fuse_elementwise
+from nanoserve.accel.layer import fuse_layers
 from nanoserve.accel.linear import replace_linears
 from nanoserve.accel.merged import merge_projections
 from nanoserve.accel.paged_attention import with_decode_kernel
@@ -43,3 +45,4 @@ def optimize(runner: ModelRunner) -> None:
         runner.backend = with_decode_kernel(runner.backend, lib)
         for attn in runner.attn_layers:  # the same cache, now read by the kernel
             attn.bind(attn.k_cache, attn.v_cache, runner.backend)
+        fuse_layers(runner.model, lib)  # a decode step's layer: one C call

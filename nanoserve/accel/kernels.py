@@ -1,6 +1,7 @@
 """The fast path's C kernels: §1's GEMMs (csrc/linear.c; csrc/dpbf16.c where the CPU has
 AVX512-BF16, csrc/amx.c where it has AMX, csrc/dot_fp32.c where it has AVX-512), the element-wise
-steps (csrc/fused.c) and §5's decode attention (csrc/attention*.c), built for this CPU into one
+steps (csrc/fused.c), §5's decode attention (csrc/attention*.c) and a decode step's whole layer
+(csrc/layer.c), built for this CPU into one
 library on first use, then cached. Without a C compiler the fast path uses the library's kernels
 only."""
 
@@ -33,7 +34,7 @@ _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
             "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [], "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,
-            "silu_mul": [_P] * 2 + [_I] * 3}
+            "silu_mul": [_P] * 2 + [_I] * 3, "decode_layer": [_P] * 8 + [_I, _I]}
 # Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c), AMX (csrc/amx.c) or
 # AVX-512F (csrc/dot_fp32.c): the GEMMs have no dtype flag.
 OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,

@@ -41,7 +41,7 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
               "tests/accel/test_merged.py", "tests/accel/test_fused.py",
               "tests/accel/test_amx.py", "tests/accel/test_dot_fp32.py",
-              "tests/accel/test_fast_path.py"]
+              "tests/accel/test_layer.py", "tests/accel/test_fast_path.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
@@ -54,7 +54,9 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
          "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
          "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
          "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
-         "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"]}
+         "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"],
+         "nanoserve/accel/csrc/layer.c": ["tests/accel/test_layer.py"],
+         "nanoserve/accel/layer.py": ["tests/accel/test_layer.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -67,6 +69,7 @@ HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
 DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
 WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/fused.c"
 AMX, DOT32 = "nanoserve/accel/csrc/amx.c", "nanoserve/accel/csrc/dot_fp32.c"
+LAYER_C, LAYER = "nanoserve/accel/csrc/layer.c", "nanoserve/accel/layer.py"
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,24 @@ MUTANTS = [
            "const __mmask16 mask = (__mmask16)((1u << (K - k)) - 2);",
            "the fp32 dot-product GEMM drops the first value of the K tail",
            "§1: the dot-product GEMM equals nn.Linear"),
+    Mutant("layer_mlp_residual_from_the_input", LAYER_C,
+           "  add(out, h, out, rows * L->hidden, L->bf16);\n",
+           "  add(x, h, out, rows * L->hidden, L->bf16);\n",
+           "the one-call layer adds the MLP's output to the layer's input, not to x + attention",
+           "§4: the one-call layer computes what the modules compute"),
+    Mutant("layer_post_norm_is_the_input_norm", LAYER_C,
+           "rms_norm(out, L->post_norm, h,", "rms_norm(out, L->input_norm, h,",
+           "the one-call layer normalizes before the MLP with the attention's RMSNorm weight",
+           "§4: the one-call layer computes what the modules compute"),
+    Mutant("layer_runs_on_mixed_steps", LAYER,
+           "        if (meta.num_decode_tokens != n or n > self.max_rows",
+           "        if (n > self.max_rows",
+           "the one-call layer runs on steps with prefill rows, attending to decode caches only",
+           "§5: prefill rows attend to their chunk and their cached tokens"),
+    Mutant("layer_ignores_the_gemm_row_limit", LAYER,
+           " or n > self.max_rows  #", "  #",
+           "the one-call layer runs C GEMMs past the rows where the modules hand over to oneDNN",
+           "the dispatch rule decides the GEMM by row count, in every path"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",

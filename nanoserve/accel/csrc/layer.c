@@ -1,0 +1,113 @@
+#include "kernels.h"
+
+/* ---- §4 for a step of decode rows: one decoder layer in one call ----
+ *   x += o_proj(attention(rope(qkv_proj(rms_norm(x)))))
+ *   x += down_proj(silu_mul(gate_up_proj(rms_norm(x))))
+ * The same kernels the fast path's modules call one at a time (so the same values), called here
+ * in a row: a decode row's layer is a dozen small calls, and from Python each pays its own
+ * dispatch, argument conversion and output allocation, which at one row added up to about a
+ * tenth of the step (accel/layer.py). Only for steps where every row decodes one token and
+ * every linear of the layer takes a C GEMM at that row count; else the modules run. */
+
+void linear(const void* x, const void* w, const void* bias, void* y, int N, int M, int K,
+            int bf16);
+void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, float eps,
+              int bf16);
+void qkv_rope(const void* qkv, const void* cos, const void* sin, void* q, void* k, void* v, int n,
+              int H, int Hkv, int D, int bf16);
+void silu_mul(const void* gate_up, void* out, int n, int I, int bf16);
+int store_kv(const char* k, const char* v, char* k_cache, char* v_cache, const int64_t* slots,
+             int n, int row_bytes, int64_t num_slots);
+int paged_decode(const void* q, const void* k_cache, const void* v_cache,
+                 const int32_t* block_table, const int32_t* lens, void* out, int B, int H,
+                 int Hkv, int D, int block_size, int W, int num_blocks, float scale, int bf16);
+#ifdef __AVX512F__
+void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
+                     int K);
+#endif
+#ifdef __AVX512BF16__
+void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
+#endif
+
+/* Which C GEMM a linear takes (accel/linear.py's modules, their `c_kind`). */
+enum { GEMM_PACKED = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3 };
+
+struct gemm {
+  const void* w;    /* the module's weight in its kernel's layout */
+  const void* bias; /* or NULL */
+  int kind, n, k;
+};
+
+/* A layer's weights and sizes, set once (accel/layer.py's LayerArgs mirrors it). */
+struct layer {
+  const void *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+  struct gemm qkv, o, gate_up, down;
+  void *k_cache, *v_cache; /* [num_blocks, block_size, Hkv, D] */
+  int hidden, H, Hkv, D, I, block_size, num_blocks, bf16;
+  float eps, scale;
+};
+
+/* y [M, g->n] = x [M, g->k] W^T (+ bias); 0, or -1 for a kind this library was not built with. */
+static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
+  switch (g->kind) {
+    case GEMM_PACKED: linear(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
+#ifdef __AVX512F__
+    case GEMM_DOT_FP32: linear_dot_fp32(x, g->w, g->bias, y, g->n, M, g->k); return 0;
+#endif
+#ifdef __AVX512BF16__
+    case GEMM_DPBF16: linear_dpbf16(x, g->w, g->bias, y, g->n, M, g->k); return 0;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    case GEMM_AMX: linear_amx(x, g->w, g->bias, y, g->n, M, g->k); return 0;
+#endif
+    default: return -1;
+  }
+}
+
+/* out = x + y, all [count], rounded to their dtype as torch's add rounds (out may be x). */
+static void add(const void* x, const void* y, void* out, int64_t count, int bf16) {
+  if (bf16) /* one loop per dtype, each a constant in it: vector code */
+    for (int64_t i = 0; i < count; ++i) store(out, i, load(x, i, 1) + load(y, i, 1), 1);
+  else
+    for (int64_t i = 0; i < count; ++i) store(out, i, load(x, i, 0) + load(y, i, 0), 0);
+}
+
+/* One layer for n decode rows, x [n, hidden] -> out [n, hidden]; cos, sin [n, D] (each row's
+ * position); slots [n], block_table [n, W], lens [n] as AttentionMetadata's decode fields.
+ * Returns -1; or a row r in [0, n) whose block_table / lens paged_decode refuses, or n + i for
+ * a slot i outside the cache (then the caller raises); or -2 for a GEMM kind not built here. */
+int decode_layer(const struct layer* L, const void* x, void* out, const void* cos, const void* sin,
+                 const int64_t* slots, const int32_t* block_table, const int32_t* lens, int n,
+                 int W) {
+  const int esize = L->bf16 ? 2 : 4, q_width = L->H * L->D, kv_width = L->Hkv * L->D;
+  const int64_t rows = n;
+  char* ws = malloc(esize * rows * (L->hidden + L->qkv.n + q_width + 2 * kv_width + q_width +
+                                    L->gate_up.n + L->I));
+  char *h = ws, *qkv = h + esize * rows * L->hidden, *q = qkv + esize * rows * L->qkv.n;
+  char *k = q + esize * rows * q_width, *v = k + esize * rows * kv_width;
+  char *att = v + esize * rows * kv_width, *gate_up = att + esize * rows * q_width;
+  char* act = gate_up + esize * rows * L->gate_up.n;
+  int status = -1, bad;
+  rms_norm(x, L->input_norm, h, n, L->hidden, L->eps, L->bf16);
+  if (gemm(&L->qkv, h, qkv, n, L->bf16)) { status = -2; goto done; }
+  qkv_rope(qkv, cos, sin, q, k, v, n, L->H, L->Hkv, L->D, L->bf16);
+  bad = store_kv(k, v, L->k_cache, L->v_cache, slots, n, kv_width * esize,
+                 (int64_t)L->num_blocks * L->block_size);
+  if (bad >= 0) { status = n + bad; goto done; }
+  bad = paged_decode(q, L->k_cache, L->v_cache, block_table, lens, att, n, L->H, L->Hkv, L->D,
+                     L->block_size, W, L->num_blocks, L->scale, L->bf16);
+  if (bad >= 0) { status = bad; goto done; }
+  if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; }
+  add(x, h, out, rows * L->hidden, L->bf16);
+  rms_norm(out, L->post_norm, h, n, L->hidden, L->eps, L->bf16);
+  if (gemm(&L->gate_up, h, gate_up, n, L->bf16)) { status = -2; goto done; }
+  silu_mul(gate_up, act, n, L->I, L->bf16);
+  if (gemm(&L->down, act, h, n, L->bf16)) { status = -2; goto done; }
+  add(out, h, out, rows * L->hidden, L->bf16);
+done:
+  free(ws);
+  return status;
+}

@@ -1,0 +1,113 @@
+"""§4 on a CPU, fewer calls: a decoder layer of a decode step as one C call (csrc/layer.c), where
+the modules make about a dozen (norms, GEMMs, RoPE, cache write, attention, residual adds), each
+paying Python's dispatch, ctypes' argument conversion and an output allocation: at one row that
+overhead was about a tenth of the step. The C calls the same kernels in the same order, so it
+computes the same values. It runs only where it can (every row decodes one token, and each of
+the layer's linears takes a C GEMM at that row count); otherwise the modules run as before.
+Swapped in by class, after merge_projections, replace_linears and fuse_elementwise."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear
+from nanoserve.accel.fused import FusedAttention, FusedMLP, FusedRMSNorm
+from nanoserve.accel.linear import DotFp32Linear, DotLinear, Dpbf16Linear, PackedLinear
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.models.decoder import DecoderLayer
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+GEMM_KINDS = {DotFp32Linear: 1, Dpbf16Linear: 2}  # csrc/layer.c's enum: packed 0, AMX 3
+
+
+class Gemm(ctypes.Structure):
+    _fields_ = [("w", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I)]
+
+
+class LayerArgs(ctypes.Structure):
+    """csrc/layer.c's `struct layer`."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Gemm), ("o", Gemm),
+                ("gate_up", Gemm), ("down", Gemm), ("k_cache", _P), ("v_cache", _P),
+                *((name, _I) for name in ("hidden", "H", "Hkv", "D", "I", "block_size",
+                                          "num_blocks", "bf16")),
+                ("eps", _F), ("scale", _F)]
+
+
+def c_gemm(linear: nn.Module) -> tuple[Gemm, int] | None:
+    """The C GEMM `linear` takes and up to how many rows (None: it never takes one)."""
+    if isinstance(linear, DotLinear):  # dot fp32 or dpbf16, on the plain weight
+        kind = GEMM_KINDS[type(linear)]
+        rows = linear.below_rows - 1 if linear.onednn is not None else 1 << 30
+        return Gemm(linear.weight_ptr, linear.bias_ptr, kind, linear.n, linear.k), rows
+    if isinstance(linear, PackedLinear):
+        rows = (linear.from_rows or 1 << 30) - 1
+        return Gemm(linear.packed_ptr, linear.bias_ptr, 0, linear.n, linear.k), rows
+    if isinstance(linear, AmxLinear):
+        rows = AMX_MAX_ROWS if linear.onednn is not None else 1 << 30
+        return Gemm(linear.packed_ptr, linear.bias_ptr, 3, linear.n, linear.k), rows
+    return None
+
+
+class FusedDecoderLayer(DecoderLayer):
+    lib: ctypes.CDLL
+    args: LayerArgs
+    dtype: torch.dtype
+    max_rows: int  # the most decode rows all four GEMMs take in C
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n, cache = x.shape[0], self.self_attn.attn.k_cache
+        tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        if (meta.num_decode_tokens != n or n > self.max_rows  # prefill rows: the modules
+                or x.dtype != self.dtype or cache.dtype != self.dtype or cos.dtype != x.dtype
+                or sin.dtype != x.dtype or tables.dtype != torch.int32 or lens.dtype != torch.int32
+                or slots.dtype != torch.int64 or tables.shape[0] != n or lens.shape != (n,)
+                or slots.shape != (n,) or cache.dim() != 4
+                or not all(t.is_contiguous() for t in (x, cos, sin, tables, lens, slots))):
+            return super().forward(x, cos, sin, meta)
+        args, out = self.args, torch.empty_like(x)
+        args.k_cache, args.v_cache = cache.data_ptr(), self.self_attn.attn.v_cache.data_ptr()
+        args.num_blocks, args.block_size = cache.shape[0], cache.shape[1]
+        bad = self.lib.decode_layer(ctypes.addressof(args), x.data_ptr(), out.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                    tables.data_ptr(), lens.data_ptr(), n, tables.shape[1])
+        if bad == -2:
+            raise RuntimeError("decode_layer: a GEMM kind the kernel library was not built with")
+        if bad >= 0:  # a slot, a length or a block id the kernels refused: the modules' checks
+            return super().forward(x, cos, sin, meta)  # name it (they raise ValueError)
+        return out
+
+
+def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None:
+    """The layer's weights and sizes for csrc/layer.c, its dtype and row limit; None where it is
+    not the fused kind the C composes (Qwen3's head norms, a linear without a C GEMM...)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (type(attn) is not FusedAttention or type(mlp) is not FusedMLP or attn.qk_norm
+            or not all(type(norm) is FusedRMSNorm for norm in norms)
+            or norms[0].eps != norms[1].eps or attn.head_dim % 8):
+        return None
+    gemms = [c_gemm(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    dtype = norms[0].weight.dtype
+    if (None in gemms or dtype not in (torch.float32, torch.bfloat16)
+            or any(norm.weight.dtype != dtype for norm in norms)):
+        return None
+    (qkv, q_rows), (o, o_rows), (gate_up, g_rows), (down, d_rows) = gemms
+    args = LayerArgs(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), qkv, o, gate_up,
+                     down, 0, 0, norms[0].weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                     attn.head_dim, mlp.down_proj.k, 0, 0, dtype == torch.bfloat16,
+                     norms[0].eps, attn.attn.scale)  # the cache's fields: at each call
+    return args, dtype, min(q_rows, o_rows, g_rows, d_rows)
+
+
+def fuse_layers(model: nn.Module, lib: ctypes.CDLL) -> None:
+    """Each DecoderLayer of `model` whose parts the C composes becomes a FusedDecoderLayer, in
+    place (after fuse_elementwise, with the C decode attention bound)."""
+    for module in model.modules():
+        if type(module) is DecoderLayer and (found := layer_args(module)) is not None:
+            module.__class__, module.lib = FusedDecoderLayer, lib
+            module.args, module.dtype, module.max_rows = found

@@ -1,0 +1,148 @@
+"""A decode step's layer as one C call (accel/layer.py, csrc/layer.c) computes exactly what the
+fast path's modules compute, one kernel at a time, for every GEMM kind the CPU can be faked into
+(the packed, dot-product and AMX GEMMs, mixed within a layer); it runs only on decode-only steps
+within its GEMMs' row limits, and bad slots or block ids still raise the modules' errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from nanoserve.accel import kernels
+from nanoserve.accel.fused import fuse_elementwise
+from nanoserve.accel.layer import FusedDecoderLayer, fuse_layers
+from nanoserve.accel.linear import replace_linears
+from nanoserve.accel.merged import merge_projections
+from nanoserve.accel.paged_attention import with_decode_kernel
+from nanoserve.layers.attention import Attention, select_backend
+from nanoserve.models import decoder
+from tests.common.helpers import make_inputs
+
+LIB = kernels.compile_kernels()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler here")
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = [LlamaConfig(**SMALL), Qwen2Config(**SMALL),  # Qwen2: q/k/v biases
+           LlamaConfig(**{**SMALL, "intermediate_size": 80, "num_key_value_heads": 1})]
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+
+
+class Counting:
+    """The kernel library, counting decode_layer calls."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.calls = lib, 0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def decode_layer(self, *args):
+        self.calls += 1
+        return self.lib.decode_layer(*args)
+
+
+def fast_model(config, dtype: torch.dtype, layers: bool) -> decoder.DecoderForCausalLM:
+    """The fast path's CPU model (as optimize() builds it) with its own zeroed cache; `layers`:
+    with the fused layers."""
+    torch.manual_seed(0)
+    model = decoder.DecoderForCausalLM(config).eval().to(dtype)
+    merge_projections(model)
+    replace_linears(model, LIB)
+    fuse_elementwise(model, LIB)
+    backend = with_decode_kernel(select_backend(torch.device("cpu"), dtype, "torch"), LIB)
+    for attn in (m for m in model.modules() if isinstance(m, Attention)):
+        shape = (NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+        attn.bind(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), backend)
+    if layers:
+        fuse_layers(model, LIB)
+    return model
+
+
+def forward(model, seqs) -> torch.Tensor:
+    inputs = make_inputs(seqs, BLOCK_SIZE)
+    with torch.inference_mode():
+        return model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+
+
+# Three requests: prefilled together, then decoding 1, 2 or 3 rows a step, then a mixed step.
+TABLES = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+STEPS = [[(TABLES[0], 0, [5, 9, 2, 7, 1]), (TABLES[1], 0, [3, 3, 8]),
+          (TABLES[2], 0, [4, 1, 6, 2, 2, 9, 10])],
+         [(TABLES[0], 5, [11])],
+         [(TABLES[0], 6, [12]), (TABLES[1], 3, [13])],
+         [(TABLES[0], 7, [14]), (TABLES[1], 4, [15]), (TABLES[2], 7, [16])],
+         [(TABLES[0], 8, [17]), (TABLES[2], 8, [18, 19, 20])]]
+C_LAYER_STEPS = [False, True, True, True, False]  # decode-only steps: one call per layer
+
+
+@pytest.mark.parametrize("cpu_kind", ["native", "avx2", "avx512_bf16", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS, ids=["llama", "qwen2", "mqa-odd-mlp"])
+def test_one_call_per_layer_computes_what_the_modules_do(config, dtype, cpu_kind, fake_cpu):
+    """Bit for bit: the same kernels in the same order, whichever GEMMs the CPU gives each
+    linear (on the faked CPUs only those the library was built with)."""
+    if cpu_kind != "native":
+        fake_cpu(cpu_kind)
+    modules, layers = fast_model(config, dtype, False), fast_model(config, dtype, True)
+    fused = [m for m in layers.modules() if isinstance(m, FusedDecoderLayer)]
+    assert len(fused) == config.num_hidden_layers
+    counting = Counting(LIB)
+    for layer in fused:
+        layer.lib = counting
+    for step, c_layer in zip(STEPS, C_LAYER_STEPS):
+        calls = counting.calls
+        expected, got = forward(modules, step), forward(layers, step)
+        assert torch.equal(got, expected)
+        assert counting.calls - calls == (config.num_hidden_layers if c_layer else 0)
+    for a, b in zip(modules.modules(), layers.modules()):  # the caches too
+        if isinstance(a, Attention):
+            assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_beyond_the_c_gemms_take_the_modules(dtype):
+    modules, layers = fast_model(CONFIGS[0], dtype, False), fast_model(CONFIGS[0], dtype, True)
+    counting = Counting(LIB)
+    for layer in (m for m in layers.modules() if isinstance(m, FusedDecoderLayer)):
+        layer.lib, layer.max_rows = counting, 1
+    for step in STEPS[:3]:
+        assert torch.equal(forward(layers, step), forward(modules, step))
+    assert counting.calls == CONFIGS[0].num_hidden_layers  # the one-row step only
+
+
+def test_qwen3_head_norms_keep_the_modules():
+    config = Qwen3Config(head_dim=16, **SMALL)
+    model = fast_model(config, torch.float32, True)
+    assert not any(isinstance(m, FusedDecoderLayer) for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bad_slots_and_block_ids_raise_the_modules_errors(dtype):
+    model = fast_model(CONFIGS[0], dtype, True)
+    forward(model, STEPS[0])
+    inputs = make_inputs(STEPS[1], BLOCK_SIZE)
+    meta = inputs.attn_metadata
+    meta.slot_mapping[0] = NUM_BLOCKS * BLOCK_SIZE  # one past the cache
+    with pytest.raises(ValueError, match="slot_mapping"), torch.inference_mode():
+        model(inputs.input_ids, inputs.positions, meta)
+    meta = make_inputs(STEPS[1], BLOCK_SIZE).attn_metadata
+    meta.decode_block_tables[0, 1] = NUM_BLOCKS  # the block the context reaches into
+    with pytest.raises(ValueError, match="block"), torch.inference_mode():
+        model(inputs.input_ids, inputs.positions, meta)
+
+
+def test_the_input_rows_are_not_written():
+    model = fast_model(CONFIGS[0], torch.float32, True)
+    forward(model, STEPS[0])
+    inputs = make_inputs(STEPS[1], BLOCK_SIZE)
+    layer = next(m for m in model.modules() if isinstance(m, FusedDecoderLayer))
+    x = torch.randn(1, SMALL["hidden_size"])
+    before = x.clone()
+    cos, sin = model.model.rotary_emb(inputs.positions, x.dtype)
+    with torch.inference_mode():
+        out = layer(x, cos, sin, inputs.attn_metadata)
+    assert torch.equal(x, before) and not torch.equal(out, x)
+    assert copy.copy(out).shape == x.shape
