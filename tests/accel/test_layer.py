@@ -48,7 +48,11 @@ def fast_model(config, dtype: torch.dtype, layers: bool) -> decoder.DecoderForCa
     """The fast path's CPU model (as optimize() builds it) with its own zeroed cache; `layers`:
     with the fused layers."""
     torch.manual_seed(0)
-    model = decoder.DecoderForCausalLM(config).eval().to(dtype)
+    model = decoder.DecoderForCausalLM(config).eval()
+    with torch.no_grad():  # norms that are not all ones, so that swapping two of them shows
+        for norm in (m for m in model.modules() if isinstance(m, decoder.RMSNorm)):
+            norm.weight.uniform_(0.5, 1.5)
+    model.to(dtype)
     merge_projections(model)
     replace_linears(model, LIB)
     fuse_elementwise(model, LIB)
