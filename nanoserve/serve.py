@@ -409,10 +409,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument("--reserved-cpus", type=int, default=None,
+    p.add_argument("--reserved-cpus", type=int, default=0,
                    help="CPU cores left to the HTTP front end and clients, not the engine's "
-                        "threads (default: 1 on a CPU with 2 or more, as vLLM's CPU serving; "
-                        "ignored if OMP_NUM_THREADS is set)")
+                        "threads (default 0: the engine computes on every core; ignored if "
+                        "OMP_NUM_THREADS is set)")
     for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
                        ("max-num-batched-tokens", int), ("max-model-len", int),
                        ("block-size", int), ("num-kv-blocks", int),
@@ -426,14 +426,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_threads(reserved_cpus: int | None) -> int | None:
-    """The engine's compute threads while serving: the cores less the reserved ones. The OpenMP
-    threads of a step wait for each other, so one of them sharing a core with the event loop or
-    a client stalls the whole step; vLLM's CPU serving reserves a core the same way."""
+def engine_threads(reserved: int) -> int | None:
+    """The engine's compute threads while serving: the cores less the reserved ones. vLLM's CPU
+    serving keeps a core for its API process; here the front end is a thread that runs while
+    the engine thread is inside a C call (the GIL is free there), and leaving a core idle for
+    it measured slower (docs/serving.md), so by default nothing is reserved."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
     cores = len(os.sched_getaffinity(0))
-    reserved = (1 if cores >= 2 else 0) if reserved_cpus is None else reserved_cpus
     if not 0 <= reserved < cores:
         sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
     return cores - reserved
