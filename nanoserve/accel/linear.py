@@ -33,10 +33,12 @@ ONEDNN_FROM_ROWS = 64
 # the weights near memory speed, about level at 6-7); at 8 it is bound by dpbf16's issue rate
 # and oneDNN's AMX path keeps up (scripts/bench/gemm_compare.py).
 DPBF16_BELOW_ROWS = 8
-# Up to here the fp32 dot-product GEMM measured faster than the packed C GEMM (clearly at 1-9
-# rows, memory-bound, about level from 16, where both are bound by the FMAs) and than oneDNN, so
-# on AVX-512 it replaces the packed GEMM below the rows oneDNN takes over from.
-DOT_FP32_BELOW_ROWS = ONEDNN_FROM_ROWS
+# Below this the fp32 dot-product GEMM measured faster than the packed C GEMM (clearly at 1-9
+# rows, memory-bound, about level from 16, where both are bound by the FMAs), so on AVX-512 it
+# replaces it; the GEMMs alone are level with oneDNN's from 64 rows, but a decode step on them,
+# one C call per layer (layer.py), measured faster than oneDNN's modules up to 96 rows and level
+# at 128 (whole steps, scripts/bench/step_times.py), so oneDNN takes over from 96.
+DOT_FP32_BELOW_ROWS = 96
 
 
 def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False,
