@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,15 +84,22 @@ class Collector:
 
 
 class EngineThread:
-    """§4's loop on its own thread; the only code that touches the LLM after start-up."""
+    """§4's loop on its own thread, which also builds the LLM (`build`): the only thread that
+    touches it. The step's OpenMP threads then spin between parallel regions: each thread that
+    ever runs one keeps its own OpenMP team, and with more team threads than cores libgomp's
+    idle threads sleep at once instead of spinning, so every region waits for their wake-up
+    (prefill steps measured ~1.4x slower with the LLM built on the main thread)."""
 
-    def __init__(self, llm: LLM, loop: asyncio.AbstractEventLoop,
-                 num_threads: int | None = None) -> None:
-        self.llm, self.loop, self.metrics = llm, loop, Metrics(llm)
-        self.num_threads = num_threads
+    def __init__(self, build: Callable[[], LLM], num_threads: int | None = None) -> None:
+        self.build, self.num_threads = build, num_threads
+        self.llm: LLM | None = None
+        self.error: BaseException | None = None  # what building the LLM raised
+        self.ready = threading.Event()  # set once the LLM exists, or failed to
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, before any request
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Collector] = {}  # request_id -> its collector
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
+        self.thread.start()
 
     def add(self, collector: Collector, prompt: list[int], params: SamplingParams) -> None:
         self.inbox.put(("add", collector, prompt, params))
@@ -128,6 +136,14 @@ class EngineThread:
     def run(self) -> None:
         if self.num_threads is not None:  # OpenMP's thread count is per thread: set it here
             torch.set_num_threads(self.num_threads)
+        try:
+            self.llm = self.build()
+            self.metrics = Metrics(self.llm)
+        except BaseException as e:  # ValueError: a bad flag; main() exits with it
+            self.error = e
+            return
+        finally:
+            self.ready.set()
         while self._receive(block=not self.llm.has_unfinished_requests()):
             self._step()
         for request_id in list(self.live):  # shutdown: what is left is aborted
@@ -165,14 +181,12 @@ def _deliver(batch: list[tuple[Collector, RequestOutput]]) -> None:
 
 
 class Server:
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
-                 num_threads: int | None = None) -> None:
-        self.llm, self.model_name, self.api_key = llm, model_name, api_key
-        self.num_threads = num_threads
-        self.max_model_len = llm.config.max_model_len
+    def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None) -> None:
+        self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
+        self.model_name, self.api_key = model_name, api_key
+        self.max_model_len = self.llm.config.max_model_len
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenize_pool = ThreadPoolExecutor(1, "nanoserve-tokenize")  # HF: one at a time
-        self.engine: EngineThread | None = None
         self.app = FastAPI(lifespan=self.lifespan)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
@@ -182,8 +196,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.engine = EngineThread(self.llm, asyncio.get_running_loop(), self.num_threads)
-        self.engine.thread.start()
+        self.engine.loop = asyncio.get_running_loop()
         yield
         self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -194,7 +207,7 @@ class Server:
             raise APIError("missing or wrong API key", None, 401)
 
     async def health(self) -> Response:
-        alive = self.engine is not None and self.engine.thread.is_alive()
+        alive = self.engine.thread.is_alive()
         return Response(status_code=200 if alive else 503)
 
     async def metrics(self) -> Response:
@@ -450,17 +463,22 @@ def main(argv: list[str] | None = None) -> None:
     num_threads = engine_threads(args.reserved_cpus)
     if num_threads is not None:  # before the CPU kernels' OpenMP starts (it reads the env)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        torch.set_num_threads(num_threads)
-    try:
+
+    def build() -> LLM:
         llm = LLM(args.model, **config)
-    except ValueError as e:
-        sys.exit(f"nanoserve serve: {e}")
-    if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
-        llm.trace_to(args.trace_file, source="serve")
+        if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
+            llm.trace_to(args.trace_file, source="serve")
+        return llm
+
+    engine = EngineThread(build, num_threads)
+    engine.ready.wait()
+    if isinstance(engine.error, ValueError):
+        sys.exit(f"nanoserve serve: {engine.error}")
+    if engine.error is not None:
+        raise engine.error
     name = args.served_model_name or args.model or MODEL_NAME
-    if llm.config.device != "cpu":
-        num_threads = None
-    server = Server(llm, name, args.api_key, num_threads)
+    server = Server(engine, name, args.api_key)
+    llm = engine.llm
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
