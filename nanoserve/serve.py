@@ -88,7 +88,7 @@ class EngineThread:
     touches it. The step's OpenMP threads then spin between parallel regions: each thread that
     ever runs one keeps its own OpenMP team, and with more team threads than cores libgomp's
     idle threads sleep at once instead of spinning, so every region waits for their wake-up
-    (prefill steps measured ~1.4x slower with the LLM built on the main thread)."""
+    (docs/serving.md)."""
 
     def __init__(self, build: Callable[[], LLM], num_threads: int | None = None) -> None:
         self.build, self.num_threads = build, num_threads
