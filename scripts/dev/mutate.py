@@ -41,7 +41,8 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
               "tests/accel/test_merged.py", "tests/accel/test_fused.py",
               "tests/accel/test_amx.py", "tests/accel/test_dot_fp32.py",
-              "tests/accel/test_layer.py", "tests/accel/test_fast_path.py"]
+              "tests/accel/test_layer.py", "tests/accel/test_fast_path.py",
+              "tests/server/test_engine_thread.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
@@ -56,7 +57,8 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
          "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
          "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"],
          "nanoserve/accel/csrc/layer.c": ["tests/accel/test_layer.py"],
-         "nanoserve/accel/layer.py": ["tests/accel/test_layer.py"]}
+         "nanoserve/accel/layer.py": ["tests/accel/test_layer.py"],
+         "nanoserve/serve.py": ["tests/server/test_engine_thread.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -70,6 +72,7 @@ DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
 WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/fused.c"
 AMX, DOT32 = "nanoserve/accel/csrc/amx.c", "nanoserve/accel/csrc/dot_fp32.c"
 LAYER_C, LAYER = "nanoserve/accel/csrc/layer.c", "nanoserve/accel/layer.py"
+SERVE = "nanoserve/serve.py"
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,11 @@ MUTANTS = [
            " or n > self.max_rows  #", "  #",
            "the one-call layer runs C GEMMs past the rows where the modules hand over to oneDNN",
            "the dispatch rule decides the GEMM by row count, in every path"),
+    Mutant("llm_built_on_the_main_thread", SERVE,
+           "self.build, self.num_threads = build, num_threads",
+           "self.build, self.num_threads = (lambda llm=build(): llm), num_threads",
+           "the server builds the LLM on the thread that starts it, not on the engine thread",
+           "one engine thread owns the LLM (and only it starts an OpenMP team)"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",
