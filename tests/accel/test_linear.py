@@ -84,12 +84,17 @@ def test_dpbf16_linear_leading_dims_and_other_inputs(leading):
     torch.manual_seed(0)
     linear = nn.Linear(40, 48, bias=True).requires_grad_(False).to(torch.bfloat16)
     x = torch.randn(*leading, 40).to(torch.bfloat16)
-    module = dpbf16_only(linear)
+    check_bf16_inputs(dpbf16_only(linear), linear, x)
+
+
+def check_bf16_inputs(module: nn.Module, linear: nn.Linear, x: torch.Tensor) -> None:
+    """A bf16 GEMM module on x [..., K] (any leading dims) and on a strided float32 input."""
+    k, n = linear.in_features, linear.out_features
     with torch.inference_mode():
         got = module(x)
-        assert got.shape == (*leading, 48)
+        assert got.shape == (*x.shape[:-1], n)
         torch.testing.assert_close(got, bf16_reference(x, linear), atol=1e-2, rtol=1e-2)
-        wide = torch.randn(40, 6).T  # float32 and strided: converted first
+        wide = torch.randn(k, 6).T  # float32 and strided: converted first
         torch.testing.assert_close(module(wide), bf16_reference(wide.to(torch.bfloat16), linear),
                                    atol=1e-2, rtol=1e-2)
 
