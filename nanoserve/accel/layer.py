@@ -37,7 +37,7 @@ class LayerArgs(ctypes.Structure):
                 ("eps", _F), ("scale", _F)]
 
 
-def c_gemm(linear: nn.Module) -> tuple[Gemm, int] | None:
+def gemm_args(linear: nn.Module) -> tuple[Gemm, int] | None:
     """The C GEMM `linear` takes and up to how many rows (None: it never takes one)."""
     if isinstance(linear, DotLinear):  # dot fp32 or dpbf16, on the plain weight
         kind = GEMM_KINDS[type(linear)]
@@ -91,7 +91,8 @@ def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None
             or not all(type(norm) is FusedRMSNorm for norm in norms)
             or norms[0].eps != norms[1].eps or attn.head_dim % 8):
         return None
-    gemms = [c_gemm(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    gemms = [gemm_args(lin) for lin in linears]
     dtype = norms[0].weight.dtype
     if (None in gemms or dtype not in (torch.float32, torch.bfloat16)
             or any(norm.weight.dtype != dtype for norm in norms)):
