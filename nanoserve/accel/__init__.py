@@ -5,7 +5,8 @@ It is the only place anything is swapped in, and it swaps whole modules:
   - CPU: q, k, v and gate, up are merged into one linear each (merged.py), and every nn.Linear
     becomes a packed GEMM (linear.py: oneDNN, csrc/linear.c or csrc/dpbf16.c, by CPU and row
     count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
-    decode attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c),
+    attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c: decode;
+    bf16 prefill on AVX512-BF16),
     a decode step's layer is one C call of those kernels (layer.py, csrc/layer.c), and freed
     buffers stay in the heap (kernels.keep_freed_memory, process-wide);
   - CUDA: the model is wrapped in CUDA graphs for decode steps (cuda_graph.py).
@@ -15,13 +16,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from nanoserve.accel import kernels
 from nanoserve.accel.cuda_graph import CUDAGraphRunner
 from nanoserve.accel.fused import fuse_elementwise
 from nanoserve.accel.layer import fuse_layers
 from nanoserve.accel.linear import replace_linears
 from nanoserve.accel.merged import merge_projections
-from nanoserve.accel.paged_attention import with_decode_kernel
+from nanoserve.accel.paged_attention import with_decode_kernel, with_prefill_kernel
+from nanoserve.utils import cpu
 
 if TYPE_CHECKING:
     from nanoserve.engine.model_runner import ModelRunner
@@ -43,6 +47,9 @@ def optimize(runner: ModelRunner) -> None:
         fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
     if lib is not None and runner.backend.name == "torch":
         runner.backend = with_decode_kernel(runner.backend, lib)
+        if (runner.dtype == torch.bfloat16 and kernels.has_paged_prefill(lib)
+                and "avx512_bf16" in cpu.cpu_flags()):
+            runner.backend = with_prefill_kernel(runner.backend, lib)
         for attn in runner.attn_layers:  # the same cache, now read by the kernel
             attn.bind(attn.k_cache, attn.v_cache, runner.backend)
         fuse_layers(runner.model, lib)  # a decode step's layer: one C call

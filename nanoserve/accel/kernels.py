@@ -35,11 +35,12 @@ ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5
             "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [], "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,
             "silu_mul": [_P] * 2 + [_I] * 3, "decode_layer": [_P] * 8 + [_I, _I]}
-# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c), AMX (csrc/amx.c) or
-# AVX-512F (csrc/dot_fp32.c): the GEMMs have no dtype flag.
+# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c, csrc/attention_prefill.c),
+# AMX (csrc/amx.c) or AVX-512F (csrc/dot_fp32.c): these have no dtype flag.
 OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
                      "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
-                     "linear_dot_fp32": [_P] * 4 + [_I] * 3}
+                     "linear_dot_fp32": [_P] * 4 + [_I] * 3,
+                     "paged_prefill": [_P] * 7 + [_I] * 10 + [_F, _I], "has_paged_prefill": []}
 
 
 @functools.cache  # once per process
@@ -82,6 +83,11 @@ def has_dpbf16(lib: ctypes.CDLL | None) -> bool:
     """Whether `lib` was built with csrc/dpbf16.c's AVX512-BF16 GEMM (the compiler's target, not
     the CPU probe: a faked CPU cannot add instructions the library was not built with)."""
     return lib is not None and bool(lib.has_dpbf16())
+
+
+def has_paged_prefill(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` was built with csrc/attention_prefill.c (AVX512-BF16, as has_dpbf16)."""
+    return lib is not None and hasattr(lib, "has_paged_prefill")
 
 
 def has_amx(lib: ctypes.CDLL | None) -> bool:

@@ -3,8 +3,9 @@ The torch twin gathers a copy of every decoding request's blocks in every layer,
 batches costs more than the attention itself; this kernel reads each cached K/V row once, where it
 lies, one request per task, with the twin's signature and checks; on CPUs with AVX-512 its loop
 nest for head sizes 64 and 128 is csrc/attention_avx512.c (AVX512-BF16's dot products on bf16
-caches), which measured ~1.3x attention.c's 8-lane one there. Prefill chunks keep the twin
-(compute-bound). The cache write is one C copy, where index_copy_ pays torch's per-call cost in
+caches), which measured ~1.3x attention.c's 8-lane one there. Prefill chunks in bf16 on
+AVX512-BF16 CPUs: csrc/attention_prefill.c, every request of the chunk in one call, in place;
+elsewhere the twin. The cache write is one C copy, where index_copy_ pays torch's per-call cost in
 every layer."""
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import dataclasses
 
 import torch
 
+from nanoserve.accel import kernels
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
+from nanoserve.utils import cpu
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
 
@@ -61,3 +64,41 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
 
     return dataclasses.replace(backend, name=f"{backend.name}+cpu-decode",
                                with_kvcache=flash_attn_with_kvcache, store_kvcache=store_kvcache)
+
+
+def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
+    """Prefill chunks through csrc/attention_prefill.c (bf16 caches, head sizes 64 and 128,
+    causal, paged: what the engine sends on AVX512-BF16 CPUs); anything else, or anything the
+    kernel finds out of range, goes to the twin, which computes it or names what is wrong.
+    On CPUs with AMX it multiplies on the tiles."""
+    amx = int(kernels.has_amx(lib) and "amx_bf16" in cpu.cpu_flags())
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False,
+                               block_table=None, flash_contract=False):
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, block_table, flash_contract)
+        index = (cu_seqlens_q, cu_seqlens_k, block_table)
+        if (not causal or dropout_p != 0.0 or flash_contract or block_table is None
+                or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[-1] not in (64, 128)
+                or k.dim() != 4 or k.dtype != q.dtype or v.dtype != q.dtype
+                or v.shape != k.shape or k.shape[-1] != q.shape[-1]
+                or any(t.dtype != torch.int32 or not t.is_contiguous() for t in index)
+                or cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_q.dim() != 1
+                or block_table.dim() != 2 or block_table.shape[0] != len(cu_seqlens_q) - 1
+                or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
+            return backend.varlen_func(*args)
+        num_blocks, block_size, num_kv_heads, head_dim = k.shape
+        out = torch.empty_like(q)
+        scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        bad = lib.paged_prefill(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(),
+            cu_seqlens_k.data_ptr(), block_table.data_ptr(), out.data_ptr(),
+            len(cu_seqlens_q) - 1, q.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
+            block_table.shape[1], num_blocks, max_seqlen_q, max_seqlen_k, scale, amx)
+        if bad == -2:
+            raise MemoryError("prefill attention: no memory for its work space")
+        return out if bad == -1 else backend.varlen_func(*args)
+
+    return dataclasses.replace(backend, name=f"{backend.name}+cpu-prefill",
+                               varlen_func=flash_attn_varlen_func)

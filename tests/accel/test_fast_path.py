@@ -23,6 +23,7 @@ from nanoserve.accel.linear import (
     linear_kind,
 )
 from nanoserve.engine.model_runner import fast_paths, prepare_inputs
+from nanoserve.utils import cpu
 from tests.common.tiny_model import tiny_model_dir
 
 CORE = Path(nanoserve.__file__).parent
@@ -61,6 +62,9 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
     assert len(linears) == 4 * 2 + 1 and {type(m) for m in linears} == {expected}  # merged
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     backend = "torch+cpu-decode" if kernels.compile_kernels() else "torch"
+    if (dtype == "bfloat16" and kernels.has_paged_prefill(lib)
+            and "avx512_bf16" in cpu.cpu_flags()):
+        backend += "+cpu-prefill"  # bf16 prefill chunks: csrc/attention_prefill.c
     assert runner.backend.name == backend
     assert all(a.backend is runner.backend for a in runner.attn_layers)  # re-bound
     assert freed_memory_calls == [1]

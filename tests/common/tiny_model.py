@@ -25,9 +25,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 @functools.cache
-def tiny_model_dir(max_position_embeddings: int = 2048) -> str:
+def tiny_model_dir(max_position_embeddings: int = 2048, head_dim: int = 16) -> str:
+    """head_dim 16 (4 heads, 2 KV heads); 64: the size the CPU attention kernels specialize."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=4 * head_dim, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)

@@ -1,0 +1,334 @@
+#include "kernels.h"
+
+/* ---- §5: prefill attention over the paged KV cache, bf16, on AVX512-BF16 (and AMX) ----
+ * flash_attn_varlen_func's contract (causal, with a block table) for bf16 caches and head sizes
+ * 64 and 128. Why a kernel: the torch twin gathers each request's blocks into a copy, runs one
+ * scaled_dot_product_attention per request and copies its result out, in every layer; for
+ * chunks of short prompts that was a fifth of a prefill step. Here one call does every request
+ * of the chunk, reading the cache in place. A task is one request's KV head (and, when there
+ * are few, a run of its query rows), every query head of the group. It lays that head's keys
+ * out 16 at a time as pairs of dimensions and its values as pairs of tokens: the operand layout
+ * of both AVX512-BF16's vdpbf16ps and AMX's tiles. Then, 16 query vectors (rows x heads) at a
+ * time: scores (16 keys of a query per instruction, or a 16 x 16 tile), an exact softmax over
+ * each query's visible keys (no online rescaling), probabilities rounded to bf16 as torch's CPU
+ * flash attention rounds them, and p . v. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define VB 16 /* query vectors per block */
+
+typedef struct {
+  int seq, kv_head, row0, rows;
+} Task;
+
+typedef struct { /* one thread's work space, sized for the longest context of the call */
+  uint32_t* kt; /* [keys / 16][D / 2][16]: 16 keys' dimension pairs */
+  uint32_t* vp; /* [keys / 2][D]: token pairs' values */
+  uint16_t* q; /* [VB][D]: the block's query vectors, contiguous */
+  float* scores; /* [VB][keys] */
+  uint16_t* probs; /* [VB][keys], bf16 */
+  float* sums; /* [VB][D]: AMX's p . v */
+} Space;
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+/* 16 floats to bf16, rounded to nearest even as store() rounds */
+static inline void store16_bf16(uint16_t* p, __m512 x) {
+  __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+/* Keys 0 .. nk - 1 of one KV head, read through the block table into space->kt and space->vp,
+ * zeros up to `padded` keys (a multiple of 32). */
+static void lay_out_kv(const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* blocks,
+                       int nk, int padded, int kv_head, int Hkv, int D, int block_size,
+                       Space* space) {
+  const int pairs = D / 2;
+  for (int t = 0; t < padded; t += 2) {
+    const uint16_t *k[2], *v[2];
+    for (int i = 0; i < 2; ++i) {
+      const int u = t + i;
+      const int64_t at =
+          u < nk ? ((int64_t)blocks[u / block_size] * block_size + u % block_size) * Hkv + kv_head
+                 : -1;
+      k[i] = at < 0 ? NULL : k_cache + at * D;
+      v[i] = at < 0 ? NULL : v_cache + at * D;
+    }
+    uint32_t* vp = space->vp + (int64_t)(t / 2) * D;
+    for (int d = 0; d < D; ++d)
+      vp[d] = (v[0] ? v[0][d] : 0) | (uint32_t)(v[1] ? v[1][d] : 0) << 16;
+    for (int i = 0; i < 2; ++i) {
+      uint32_t* kt = space->kt + (int64_t)((t + i) / 16) * pairs * 16 + (t + i) % 16;
+      const uint32_t* src = (const uint32_t*)k[i];
+      for (int j = 0; j < pairs; ++j) kt[j * 16] = src ? src[j] : 0;
+    }
+  }
+}
+
+/* scores[i][0 .. 16 * groups) = q_i . k for the block's VB vectors, 8 at a time: each load of
+ * 16 keys' dimension pairs serves 8 queries. */
+static void qk_dpbf16(const Space* s, int groups, int D, int stride) {
+  const int pairs = D / 2;
+  for (int i0 = 0; i0 < VB; i0 += 8) {
+    const uint32_t* q = (const uint32_t*)(s->q + (int64_t)i0 * D);
+    for (int g = 0; g < groups; ++g) {
+      __m512 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+      const uint32_t* k = s->kt + (int64_t)g * pairs * 16;
+      for (int j = 0; j < pairs; ++j) {
+        const __m512i keys = _mm512_loadu_si512(k + j * 16);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32((int)q[i * pairs + j])),
+                                    as_bh(keys));
+      }
+      for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s->scores + (int64_t)(i0 + i) * stride + g * 16, acc[i]);
+    }
+  }
+}
+
+/* out_i = (p_i . v) * inv_i for NV vectors at a time, D = 16 * C lanes: each load of a token
+ * pair's values serves NV queries. */
+#define PV_DPBF16(NV, C)                                                                      \
+  static void pv_dpbf16_##C(const Space* s, int npairs, int stride, const float* inv,        \
+                            uint16_t* const out[VB]) {                                        \
+    for (int i0 = 0; i0 < VB; i0 += NV) {                                                     \
+      __m512 acc[NV][C];                                                                      \
+      for (int i = 0; i < NV; ++i)                                                            \
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();                          \
+      for (int p = 0; p < npairs; ++p) {                                                      \
+        __m512i v[C];                                                                         \
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(s->vp + (int64_t)p * 16 * C + c * 16); \
+        for (int i = 0; i < NV; ++i) {                                                        \
+          const uint32_t w = ((const uint32_t*)(s->probs + (int64_t)(i0 + i) * stride))[p];   \
+          for (int c = 0; c < C; ++c)                                                         \
+            acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(_mm512_set1_epi32((int)w)), as_bh(v[c])); \
+        }                                                                                     \
+      }                                                                                       \
+      for (int i = 0; i < NV; ++i)                                                            \
+        if (out[i0 + i])                                                                      \
+          for (int c = 0; c < C; ++c)                                                         \
+            store16_bf16(out[i0 + i] + c * 16, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv[i0 + i]))); \
+    }                                                                                         \
+  }
+PV_DPBF16(4, 4) /* D = 64 */
+PV_DPBF16(2, 8) /* D = 128 */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same two products on AMX tiles (every tile 16 rows of 64 bytes): tile 0 a 16 x 16 block of
+ * scores, 1 queries (32 dimensions), 2 keys (16 dimension pairs of 16 keys); then 0-3 the sums
+ * of 64 output lanes, 4 probabilities (32 keys), 5 values (16 token pairs of 16 lanes). */
+static void qk_amx(const Space* s, int groups, int D, int stride) {
+  for (int g = 0; g < groups; ++g) {
+    _tile_zero(0);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(1, s->q + c * 32, D * 2);
+      _tile_loadd(2, s->kt + ((int64_t)g * D / 2 + c * 16) * 16, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, s->scores + g * 16, stride * 4);
+  }
+}
+
+static void pv_amx(const Space* s, int npairs, int D, int stride, const float* inv,
+                   uint16_t* const out[VB]) {
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p = 0; p < npairs; p += 16) { /* 32 keys: the probabilities are zero past each */
+      _tile_loadd(4, s->probs + 2 * p, stride * 2);
+      const uint32_t* v = s->vp + (int64_t)p * D + d0;
+      _tile_loadd(5, v, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, v + 16, D * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, v + 32, D * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, v + 48, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s->sums + d0, D * 4);
+    _tile_stored(1, s->sums + d0 + 16, D * 4);
+    _tile_stored(2, s->sums + d0 + 32, D * 4);
+    _tile_stored(3, s->sums + d0 + 48, D * 4);
+  }
+  for (int i = 0; i < VB; ++i)
+    if (out[i])
+      for (int c = 0; c < D; c += 16)
+        store16_bf16(out[i] + c, _mm512_mul_ps(_mm512_loadu_ps(s->sums + (int64_t)i * D + c),
+                                               _mm512_set1_ps(inv[i])));
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((aligned(64))) tile_config;
+
+static void configure_tiles(void) {
+  tile_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+#define AMX 1
+#else
+#define AMX 0
+#endif
+
+/* e^x for x <= 0 on 16 lanes: exp_nonpositive's reduction and polynomial, 2^n by vscalefps. */
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* Scores s[0 .. L-1] (unscaled) -> e^(scale (s - max)) rounded to bf16 into p[0 .. padded - 1]
+ * (zeros past L); returns 1 / the sum of the unrounded exponentials. 16 lanes at a time, the
+ * last 16 masked. */
+static inline float exp_to_bf16(const float* s, int L, float scale, uint16_t* p, int padded) {
+#define LANES(t) ((t) + 16 <= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - (t))) - 1))
+  __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+  for (int t = 0; t < L; t += 16) m = _mm512_mask_max_ps(m, LANES(t), m, _mm512_loadu_ps(s + t));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m)), k = _mm512_set1_ps(scale);
+  int t = 0;
+  for (; t < L; t += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max), k);
+    const __m512 e = _mm512_maskz_mov_ps(LANES(t), exp16(x));
+    sum = _mm512_add_ps(sum, e);
+    store16_bf16(p + t, e);
+  }
+#undef LANES
+  memset(p + t, 0, (size_t)(padded - t) * 2);
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+static void run_task(const Task* task, const uint16_t* q, const uint16_t* k_cache,
+                     const uint16_t* v_cache, const int32_t* cu_q, const int32_t* cu_k,
+                     const int32_t* block_table, uint16_t* out, int H, int Hkv, int D,
+                     int block_size, int max_blocks, float scale, int amx, Space* space) {
+  const int G = H / Hkv, s = task->seq, nv = task->rows * G;
+  const int before = (cu_k[s + 1] - cu_k[s]) - (cu_q[s + 1] - cu_q[s]);
+  const int nk = before + task->row0 + task->rows; /* the last row sees keys 0 .. nk - 1 */
+  const int stride = (nk + 31) & ~31;
+  lay_out_kv(k_cache, v_cache, block_table + (int64_t)s * max_blocks, nk, stride, task->kv_head,
+             Hkv, D, block_size, space);
+  for (int v0 = 0; v0 < nv; v0 += VB) {
+    /* vector v0 + i: row (v0 + i) / G of the task, head kv_head * G + (v0 + i) % G */
+    uint16_t* o[VB];
+    float inv[VB];
+    int visible[VB], most = 0;
+    for (int i = 0; i < VB; ++i) {
+      const int v = v0 + i;
+      const int64_t at = v < nv ? (((int64_t)cu_q[s] + task->row0 + v / G) * H +
+                                   task->kv_head * G + v % G) * D : -1;
+      if (at >= 0) memcpy(space->q + i * D, q + at, (size_t)D * 2);
+      else memset(space->q + i * D, 0, (size_t)D * 2);
+      o[i] = at >= 0 ? out + at : NULL;
+      visible[i] = at >= 0 ? before + task->row0 + v / G + 1 : 0;
+      most = visible[i] > most ? visible[i] : most;
+    }
+    const int groups = (most + 15) / 16, npairs = ((most + 31) & ~31) / 2;
+#if AMX
+    if (amx) qk_amx(space, groups, D, stride);
+    else
+#endif
+      qk_dpbf16(space, groups, D, stride);
+    for (int i = 0; i < VB; ++i)
+      inv[i] = visible[i] ? exp_to_bf16(space->scores + (int64_t)i * stride, visible[i], scale,
+                                        space->probs + (int64_t)i * stride, stride)
+                          : (memset(space->probs + (int64_t)i * stride, 0, (size_t)stride * 2), 0.f);
+#if AMX
+    if (amx) pv_amx(space, npairs, D, stride, inv, o);
+    else
+#endif
+    if (D == 64) pv_dpbf16_4(space, npairs, stride, inv, o);
+    else pv_dpbf16_8(space, npairs, stride, inv, o);
+  }
+}
+
+/* q [total_q, H, D] (rows past the last sequence's are not read), caches [num_blocks,
+ * block_size, Hkv, D], out like q, all bf16; sequence s: query rows cu_q[s] .. cu_q[s+1] - 1,
+ * the last of its lk = cu_k[s+1] - cu_k[s] tokens, whose blocks are block_table row s. amx: use
+ * the tiles (where built with them; the caller asked Linux for them). Returns -1, or (nothing
+ * written) the first sequence whose lengths or block ids are out of range, -2 if out of memory,
+ * -3 for a head layout it does not take. */
+int paged_prefill(const void* q, const void* k_cache, const void* v_cache, const int32_t* cu_q,
+                  const int32_t* cu_k, const int32_t* block_table, void* out, int num_seqs,
+                  int total_q, int H, int Hkv, int D, int block_size, int max_blocks,
+                  int num_blocks, int max_seqlen_q, int max_seqlen_k, float scale, int amx) {
+  if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv) return -3;
+  int longest = 0, pieces = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
+    const int nb = (lk + block_size - 1) / block_size;
+    if (cu_q[s] < 0 || cu_q[s + 1] > total_q || lq < 0 || lk < lq || lq > max_seqlen_q ||
+        lk > max_seqlen_k || nb > max_blocks)
+      return s;
+    for (int b = 0; b < nb; ++b) {
+      const int32_t id = block_table[(int64_t)s * max_blocks + b];
+      if (id < 0 || id >= num_blocks) return s;
+    }
+    longest = lk > longest ? lk : longest;
+    pieces += lq > 0;
+  }
+  /* A task per request and KV head; its rows split in parts where that leaves threads idle. */
+  const int wanted = 4 * omp_get_max_threads(), heads = pieces * Hkv;
+  const int parts = heads == 0 || heads >= wanted ? 1 : (wanted + heads - 1) / heads;
+  Task* tasks = malloc(sizeof(Task) * ((size_t)num_seqs * Hkv * parts + 1));
+  if (!tasks) return -2;
+  int num_tasks = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int lq = cu_q[s + 1] - cu_q[s], step = (lq + parts - 1) / parts;
+    for (int r = 0; r < lq; r += step)
+      for (int h = 0; h < Hkv; ++h)
+        tasks[num_tasks++] = (Task){s, h, r, lq - r < step ? lq - r : step};
+  }
+  const int64_t keys = ((int64_t)longest + 31) & ~31;
+  int failed = 0;
+#pragma omp parallel if (num_tasks > 1)
+  {
+    Space space = {malloc(keys * D * 2), malloc(keys * D * 2), malloc(VB * D * 2),
+                   malloc(VB * keys * 4), malloc(VB * keys * 2), malloc(VB * D * 4)};
+    const int ok = space.kt && space.vp && space.q && space.scores && space.probs && space.sums;
+#if AMX
+    if (amx) configure_tiles();
+#endif
+#pragma omp for schedule(dynamic)
+    for (int t = 0; t < num_tasks; ++t) {
+      if (ok)
+        run_task(&tasks[t], q, k_cache, v_cache, cu_q, cu_k, block_table, out, H, Hkv, D,
+                 block_size, max_blocks, scale, amx && AMX, &space);
+      else {
+#pragma omp atomic write
+        failed = 1;
+      }
+    }
+#if AMX
+    if (amx) _tile_release();
+#endif
+    free(space.kt), free(space.vp), free(space.q);
+    free(space.scores), free(space.probs), free(space.sums);
+  }
+  free(tasks);
+  return failed ? -2 : -1;
+}
+
+int has_paged_prefill(void) { return 1; }
+#endif

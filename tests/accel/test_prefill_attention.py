@@ -1,0 +1,146 @@
+"""The C prefill kernel (accel/csrc/attention_prefill.c) against a naive dense attention and the
+torch twin: bf16 chunks over shuffled block tables whose unread slots are NaN (a read past a
+request's context, or of a padding block, would show), GQA groups, head sizes 64 and 128,
+chunks after a cached context, on AMX tiles and on AVX512-BF16 alone. What it does not take,
+or finds out of range, goes to the twin, which computes it or names what is wrong."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams, accel
+from nanoserve.accel import kernels, paged_attention
+from nanoserve.layers import torch_attention
+from nanoserve.layers.attention import select_backend
+from nanoserve.utils import cpu
+from tests.accel.test_paged_attention import poisoned_case
+from tests.common.tiny_model import tiny_model_dir
+
+KERNEL = kernels.compile_kernels()
+pytestmark = pytest.mark.skipif(not kernels.has_paged_prefill(KERNEL),
+                                reason="the library was not built for AVX512-BF16 here")
+TWIN = select_backend(torch.device("cpu"), torch.bfloat16, "torch")
+
+
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def prefill(request, monkeypatch):
+    """The kernel's varlen function, on AMX tiles (where this CPU has them) or without."""
+    flags = cpu.cpu_flags()
+    if request.param == "amx" and not ("amx_bf16" in flags and kernels.has_amx(KERNEL)):
+        pytest.skip("no AMX here")
+    if request.param == "avx512_bf16":
+        monkeypatch.setattr(cpu, "cpu_flags", lambda: flags - {"amx_bf16", "amx_tile"})
+    return paged_attention.with_prefill_kernel(TWIN, KERNEL).varlen_func
+
+
+def args(case, **overrides) -> dict:
+    lens = case.lens
+    cu_q = [0, *itertools.accumulate(chunk for _, chunk in lens)]
+    cu_k = [0, *itertools.accumulate(ctx for ctx, _ in lens)]
+    return {"q": case.q, "k": case.k_cache, "v": case.v_cache,
+            "cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32),
+            "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32),
+            "max_seqlen_q": max(chunk for _, chunk in lens),
+            "max_seqlen_k": max(ctx for ctx, _ in lens), "causal": True,
+            "block_table": case.block_table, **overrides}
+
+
+# (context incl. the chunk, chunk): whole prompts, chunks after a cached prefix, one-row and
+# empty chunks, lengths on and off the kernel's 16- and 32-key steps.
+LENS = [(128, 128), (300, 50), (7, 7), (1, 1), (40, 2), (33, 0), (64, 17), (17, 16)]
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (64, 1), (128, 4), (64, 9)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_kernel_matches_naive_attention(prefill, head_dim, group, block_size):
+    case = poisoned_case(LENS, block_size, group, head_dim, torch.bfloat16, seed=head_dim + group)
+    got = prefill(**args(case))
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got, case.expected(), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_agrees_with_the_twin(prefill):
+    case = poisoned_case(LENS, 16, 3, 64, torch.bfloat16, seed=4)
+    torch.testing.assert_close(prefill(**args(case)), TWIN.varlen_func(**args(case)),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("q_scale", [0.0, 300.0])
+def test_softmax_of_equal_and_of_far_apart_scores(prefill, q_scale):
+    case = poisoned_case(LENS, 16, 3, 64, torch.bfloat16, seed=7)
+    case.q *= q_scale
+    torch.testing.assert_close(prefill(**args(case)), case.expected(), atol=2e-2, rtol=2e-2)
+
+
+def test_one_long_request_is_split_over_threads_and_equals_the_twin(prefill):
+    case = poisoned_case([(700, 700)], 16, 3, 64, torch.bfloat16, seed=2)
+    torch.testing.assert_close(prefill(**args(case)), case.expected(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("change", [
+    {"causal": False}, {"flash_contract": True}, {"softmax_scale": 0.3}, "float32", "head 96"])
+def test_what_the_kernel_does_not_take_is_the_twins(prefill, change):
+    head_dim = 96 if change == "head 96" else 64
+    case = poisoned_case(LENS, 16, 3, head_dim, torch.bfloat16, seed=1)
+    if change == "float32":
+        case.q, case.k_cache, case.v_cache = (t.float() for t in (case.q, case.k_cache,
+                                                                   case.v_cache))
+    overrides = change if isinstance(change, dict) else {}
+    if overrides.get("flash_contract"):  # the twin's flash-attn limits: block_size % 256
+        with pytest.raises(ValueError, match="block_size"):
+            prefill(**args(case, **overrides))
+        return
+    got, twin = prefill(**args(case, **overrides)), TWIN.varlen_func(**args(case, **overrides))
+    if isinstance(change, str) or overrides.get("causal") is False:
+        assert torch.equal(got, twin)  # the twin itself computed it
+    else:  # a scale the kernel takes: its own result
+        torch.testing.assert_close(got, twin, atol=2e-2, rtol=2e-2)
+
+
+def test_out_of_range_inputs_are_the_twins_errors(prefill):
+    case = poisoned_case(LENS, 16, 3, 64, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="too few columns"):
+        prefill(**args(case, block_table=case.block_table[:, :3].contiguous()))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        prefill(**args(case, max_seqlen_q=100))
+    with pytest.raises(ValueError, match="no key"):
+        cu_k = args(case)["cu_seqlens_k"].clone()
+        cu_k[1:] -= 1  # request 0: 127 keys for a chunk of 128
+        prefill(**args(case, cu_seqlens_k=cu_k))
+    table = case.block_table.clone()
+    table[1, 0] = case.k_cache.shape[0]  # just past the cache: the twin's index error
+    with pytest.raises(IndexError):
+        prefill(**args(case, block_table=table))
+
+
+def test_the_engine_takes_the_kernel_for_bf16_prefill(monkeypatch):
+    """With the fast path on this CPU (bf16, head size 64), prefill chunks run the kernel, and
+    the greedy tokens equal those of the same engine with the twin for prefill."""
+    calls = []
+    monkeypatch.setattr(KERNEL, "paged_prefill", _counting(KERNEL.paged_prefill, calls))
+    prompts = [[5 + i, 9, 11 + 2 * i, 3] * (3 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    settings = dict(dtype="bfloat16", block_size=4, num_kv_blocks=64,
+                    max_num_batched_tokens=24)  # chunks after a cached part, too
+    fast = LLM(tiny_model_dir(head_dim=64), **settings)
+    assert "cpu-prefill" in fast.model_runner.backend.name
+    got = [o.token_ids for o in fast.generate(prompts, params)]
+    assert calls
+    monkeypatch.setattr(accel, "with_prefill_kernel", lambda backend, lib: backend)
+    twin = LLM(tiny_model_dir(head_dim=64), **settings)
+    assert "cpu-prefill" not in twin.model_runner.backend.name
+    assert got == [o.token_ids for o in twin.generate(prompts, params)]
+
+
+def _counting(fn, calls):
+    def counted(*a):
+        calls.append(a)
+        return fn(*a)
+    return counted
+
+
+def test_the_twin_is_untouched():
+    assert TWIN.varlen_func is torch_attention.flash_attn_varlen_func
