@@ -84,37 +84,38 @@ static void qk_dpbf16(const Space* s, int groups, int D, int stride) {
           acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32((int)q[i * pairs + j])),
                                     as_bh(keys));
       }
-      for (int i = 0; i < 8; ++i) _mm512_storeu_ps(s->scores + (int64_t)(i0 + i) * stride + g * 16, acc[i]);
+      for (int i = 0; i < 8; ++i)
+        _mm512_storeu_ps(s->scores + (int64_t)(i0 + i) * stride + g * 16, acc[i]);
     }
   }
 }
 
-/* out_i = (p_i . v) * inv_i for NV vectors at a time, D = 16 * C lanes: each load of a token
- * pair's values serves NV queries. */
-#define PV_DPBF16(NV, C)                                                                      \
-  static void pv_dpbf16_##C(const Space* s, int npairs, int stride, const float* inv,        \
-                            uint16_t* const out[VB]) {                                        \
-    for (int i0 = 0; i0 < VB; i0 += NV) {                                                     \
-      __m512 acc[NV][C];                                                                      \
-      for (int i = 0; i < NV; ++i)                                                            \
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();                          \
-      for (int p = 0; p < npairs; ++p) {                                                      \
-        __m512i v[C];                                                                         \
-        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(s->vp + (int64_t)p * 16 * C + c * 16); \
-        for (int i = 0; i < NV; ++i) {                                                        \
-          const uint32_t w = ((const uint32_t*)(s->probs + (int64_t)(i0 + i) * stride))[p];   \
-          for (int c = 0; c < C; ++c)                                                         \
-            acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(_mm512_set1_epi32((int)w)), as_bh(v[c])); \
-        }                                                                                     \
-      }                                                                                       \
-      for (int i = 0; i < NV; ++i)                                                            \
-        if (out[i0 + i])                                                                      \
-          for (int c = 0; c < C; ++c)                                                         \
-            store16_bf16(out[i0 + i] + c * 16, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv[i0 + i]))); \
-    }                                                                                         \
+/* out_i = (p_i . v) * inv_i, NV vectors at a time, D = 16 * C lanes: each load of a token
+ * pair's values serves NV queries. Always inlined: NV and C are then constants (acc stays in
+ * registers). */
+static inline __attribute__((always_inline)) void pv_dpbf16(const Space* s, int npairs,
+                                                            int stride, const float* inv,
+                                                            uint16_t* const out[VB],
+                                                            const int NV, const int C) {
+  for (int i0 = 0; i0 < VB; i0 += NV) {
+    __m512 acc[4][8];
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int p = 0; p < npairs; ++p) {
+      __m512i v[8];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(s->vp + ((int64_t)p * C + c) * 16);
+      for (int i = 0; i < NV; ++i) {
+        const uint32_t w = ((const uint32_t*)(s->probs + (int64_t)(i0 + i) * stride))[p];
+        for (int c = 0; c < C; ++c)
+          acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(_mm512_set1_epi32((int)w)), as_bh(v[c]));
+      }
+    }
+    for (int i = 0; i < NV; ++i)
+      for (int c = 0; out[i0 + i] && c < C; ++c)
+        store16_bf16(out[i0 + i] + c * 16,
+                     _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv[i0 + i])));
   }
-PV_DPBF16(4, 4) /* D = 64 */
-PV_DPBF16(2, 8) /* D = 128 */
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* The same two products on AMX tiles (every tile 16 rows of 64 bytes): tile 0 a 16 x 16 block of
@@ -250,16 +251,18 @@ static void run_task(const Task* task, const uint16_t* q, const uint16_t* k_cach
     else
 #endif
       qk_dpbf16(space, groups, D, stride);
-    for (int i = 0; i < VB; ++i)
-      inv[i] = visible[i] ? exp_to_bf16(space->scores + (int64_t)i * stride, visible[i], scale,
-                                        space->probs + (int64_t)i * stride, stride)
-                          : (memset(space->probs + (int64_t)i * stride, 0, (size_t)stride * 2), 0.f);
+    for (int i = 0; i < VB; ++i) {
+      uint16_t* probs = space->probs + (int64_t)i * stride;
+      if (visible[i]) inv[i] = exp_to_bf16(space->scores + (int64_t)i * stride, visible[i], scale,
+                                           probs, stride);
+      else memset(probs, 0, (size_t)stride * 2), inv[i] = 0.f; /* past the task's last row */
+    }
 #if AMX
     if (amx) pv_amx(space, npairs, D, stride, inv, o);
     else
 #endif
-    if (D == 64) pv_dpbf16_4(space, npairs, stride, inv, o);
-    else pv_dpbf16_8(space, npairs, stride, inv, o);
+    if (D == 64) pv_dpbf16(space, npairs, stride, inv, o, 4, 4);
+    else pv_dpbf16(space, npairs, stride, inv, o, 2, 8);
   }
 }
 
