@@ -41,7 +41,8 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
               "tests/accel/test_merged.py", "tests/accel/test_fused.py",
               "tests/accel/test_amx.py", "tests/accel/test_dot_fp32.py",
-              "tests/accel/test_layer.py", "tests/accel/test_fast_path.py",
+              "tests/accel/test_layer.py", "tests/accel/test_prefill_attention.py",
+              "tests/accel/test_fast_path.py",
               "tests/server/test_engine_thread.py"]
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -57,6 +58,9 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
          "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
          "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"],
          "nanoserve/accel/csrc/layer.c": ["tests/accel/test_layer.py"],
+         "nanoserve/accel/csrc/attention_prefill.c": ["tests/accel/test_prefill_attention.py"],
+         "nanoserve/accel/paged_attention.py": ["tests/accel/test_prefill_attention.py",
+                                                "tests/accel/test_paged_attention.py"],
          "nanoserve/accel/layer.py": ["tests/accel/test_layer.py"],
          "nanoserve/serve.py": ["tests/server/test_engine_thread.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
@@ -73,6 +77,7 @@ WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/f
 AMX, DOT32 = "nanoserve/accel/csrc/amx.c", "nanoserve/accel/csrc/dot_fp32.c"
 LAYER_C, LAYER = "nanoserve/accel/csrc/layer.c", "nanoserve/accel/layer.py"
 SERVE = "nanoserve/serve.py"
+PREFILL_C, PAGED = "nanoserve/accel/csrc/attention_prefill.c", "nanoserve/accel/paged_attention.py"
 
 
 @dataclass(frozen=True)
@@ -404,6 +409,15 @@ MUTANTS = [
            "self.build, self.num_threads = (lambda llm=build(): llm), num_threads",
            "the server builds the LLM on the thread that starts it, not on the engine thread",
            "one engine thread owns the LLM (and only it starts an OpenMP team)"),
+    Mutant("prefill_misses_its_own_token", PREFILL_C,
+           "visible[i] = at >= 0 ? before + task->row0 + v / G + 1 : 0;",
+           "visible[i] = at >= 0 ? before + task->row0 + v / G : 0;",
+           "the C prefill attention leaves each query's own token out of its keys",
+           "§5: causal attention, a query sees its own and earlier tokens only"),
+    Mutant("prefill_keeps_an_out_of_range_answer", PAGED,
+           "return out if bad == -1 else backend.varlen_func(*args)", "return out",
+           "the prefill wrapper returns its unwritten output when the kernel refused the input",
+           "bad input is an error naming what is wrong, never garbage"),
     Mutant("fast_path_in_eager_mode", RUNNER,
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",
