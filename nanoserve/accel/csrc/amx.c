@@ -91,10 +91,7 @@ static inline __attribute__((always_inline)) void group_sums(
 
 /* sums + bias, rounded to nearest even as store() does (vcvtneps2bf16 would flush subnormals). */
 static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
-  __m512i bits = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(sums), bias));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256((__m256i*)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  _mm256_storeu_si256((__m256i*)y, bf16x16(_mm512_add_ps(_mm512_loadu_ps(sums), bias)));
 }
 
 /* Passes of up to 64 rows (one pass at decode batch sizes: W read once per call); in each, one

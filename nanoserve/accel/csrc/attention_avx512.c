@@ -45,10 +45,7 @@ static inline __m512 load16(const void* p, int64_t i, const int bf16) {
 
 static inline void store16(void* p, int64_t i, __m512 x, const int bf16) {
   if (!bf16) return _mm512_storeu_ps((float*)p + i, x);
-  __m512i bits = _mm512_castps_si512(x); /* rounded to nearest even, as store() */
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256((__m256i*)((uint16_t*)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  _mm256_storeu_si256((__m256i*)((uint16_t*)p + i), bf16x16(x));
 }
 
 static inline void prefetch_part(const void* cache, int64_t i, const int bytes, const int bf16) {
@@ -70,26 +67,6 @@ static inline __attribute__((always_inline)) __m512 dot16(const void* q, const v
 #endif
   for (int d = 0; d < D; d += 16) s = _mm512_fmadd_ps(load16(q, d, bf16), load16(k, at + d, bf16), s);
   return s;
-}
-
-/* e^x for x <= 0, 16 lanes: exp_nonpositive's arithmetic (kernels.h) */
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i two_n = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
 }
 
 /* The K pass, 16 tokens at a time, whole rows front to back (the hardware prefetcher follows

@@ -33,12 +33,8 @@ typedef struct { /* one thread's work space, sized for the longest context of th
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-/* 16 floats to bf16, rounded to nearest even as store() rounds */
 static inline void store16_bf16(uint16_t* p, __m512 x) {
-  __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  _mm256_storeu_si256((__m256i*)p, bf16x16(x));
 }
 
 /* Keys 0 .. nk - 1 of one KV head, read through the block table into space->kt and space->vp,
@@ -181,24 +177,6 @@ static void configure_tiles(void) {
 #else
 #define AMX 0
 #endif
-
-/* e^x for x <= 0 on 16 lanes: exp_nonpositive's reduction and polynomial, 2^n by vscalefps. */
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 /* Scores s[0 .. L-1] (unscaled) -> e^(scale (s - max)) rounded to bf16 into p[0 .. padded - 1]
  * (zeros past L); returns 1 / the sum of the unrounded exponentials. 16 lanes at a time, the
