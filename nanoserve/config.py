@@ -1,30 +1,42 @@
 """Engine configuration (vLLM's names): the knobs of §6.2 and §7, the KV cache (§5), the
 device. Checked when built, then resolved against the machine and the model's config.json
-(`resolve_config` fills every "auto"/None), both before any memory is allocated. Every bad
-value is a ValueError that names the field and the allowed range."""
+(`resolve_config` fills every "auto"/None: device, dtype, attention backend, block size, the batch
+limits), both before any memory is allocated. Every bad value is a ValueError that names the field
+and the allowed range."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
 from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 from transformers import PretrainedConfig
 
-from nanoserve.layers.attention import ATTENTION_BACKENDS, select_backend
 from nanoserve.sampling_params import check_field, is_int
 from nanoserve.utils import cpu
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
+USAGE_CONTEXTS = ("llm", "server")
+# vLLM 0.32's defaults (EngineArgs.get_batch_defaults), (max_num_seqs, max_num_batched_tokens) for
+# the LLM class and the API server. On a CPU nanoserve keeps its own (docs/benchmarks.md: they
+# measured faster than vLLM's 256 / 4096 and 128 / 2048 on 2 cores).
+GPU_160GB = {"llm": (1024, 16384), "server": (1024, 16384)}
+GPU_70GB = {"llm": (1024, 16384), "server": (1024, 8192)}  # and not an A100
+GPU_OTHER = {"llm": (256, 8192), "server": (256, 2048)}
+CPU_DEFAULTS = {"llm": (32, 1024), "server": (32, 1024)}
 
 
 @dataclass
 class EngineConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else fp32
     device: str = "auto"  # "auto" = cuda if available, else cpu
-    max_num_seqs: int = 32  # at most this many requests in `running`
-    max_num_batched_tokens: int = 1024  # the token budget of one step (§6.2)
+    max_num_seqs: int | None = None  # at most this many requests in `running`; None: the table
+    max_num_batched_tokens: int | None = None  # the token budget of one step (§6.2); None: same
     max_model_len: int | None = None  # prompt + output tokens; None = the model's limit
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
@@ -35,7 +47,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", "priority", or "static" (§2, for comparison)
     attention_backend: str = "auto"  # "auto", "flash-attn" or "torch"
-    enforce_eager: bool = False  # True: the plain path (no CUDA graphs, no packed CPU weights)
+    enforce_eager: bool = False  # True: no CUDA graphs and no torch.compile (vLLM's meaning)
+    torch_compile: bool | None = None  # compile the small element-wise modules; None: on CUDA
+    enable_fast_paths: bool = True  # the fast-path plugins (nanoserve_accel), if installed
+    usage_context: str = "llm"  # "llm" or "server": whose defaults apply (vLLM's UsageContext)
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
     trace_file: str | None = None  # append one JSON line per step (nanoserve/trace.py)
@@ -43,10 +58,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         need = partial(check_field, self)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            need(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, ">= 1")
         for name, low in (("max_model_len", 2), ("block_size", 1), ("num_kv_blocks", 1),
-                          ("long_prefill_token_threshold", 1)):
+                          ("long_prefill_token_threshold", 1), ("max_num_seqs", 1),
+                          ("max_num_batched_tokens", 1)):
             value = getattr(self, name)
             need(value is None or (is_int(value) and value >= low), name,
                  f"None or an integer >= {low}")
@@ -54,7 +68,9 @@ class EngineConfig:
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("dtype", ("auto", *DTYPES))):
+                              ("dtype", ("auto", *TORCH_DTYPES)),
+                              ("usage_context", USAGE_CONTEXTS),
+                              ("torch_compile", (None, True, False))):
             need(getattr(self, name) in allowed, name, f"one of {allowed}")
         need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -63,7 +79,8 @@ class EngineConfig:
         # No chunking means none at all: a per-request chunk cap would contradict it.
         need(self.enable_chunked_prefill or self.long_prefill_token_threshold is None,
              "long_prefill_token_threshold", "None when enable_chunked_prefill is False")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
+        if (not self.enable_chunked_prefill and None not in (self.max_model_len,
+                                                             self.max_num_batched_tokens)
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is "
@@ -74,6 +91,60 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") or cpu.has_native_bf16() else "float32"
+
+
+def gpu_of(device: str) -> tuple[str, float]:
+    """The GPU's name and memory in GiB (what vLLM's defaults read)."""
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return props.name, props.total_memory / 2**30
+
+
+def batch_defaults(device: str, usage_context: str) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) where the user set neither: vLLM 0.32's by GPU
+    memory (an A100 counts as small whatever its memory), nanoserve's own on a CPU."""
+    if not device.startswith("cuda"):
+        return CPU_DEFAULTS[usage_context]
+    name, gib = gpu_of(device)
+    table = GPU_160GB if gib >= 160 else GPU_70GB if gib >= 70 and "a100" not in name.lower() \
+        else GPU_OTHER
+    return table[usage_context]
+
+
+def attention_reason(config: EngineConfig) -> str:
+    """Why the resolved backend runs here (the start-up line)."""
+    if config.attention_backend == "flash-attn":
+        return "its paged kernels"
+    return flash_attn_missing(torch.device(config.device), TORCH_DTYPES[config.dtype]) or \
+        "asked for"
+
+
+def flash_attn_missing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if flash-attn can run here, else why not."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed"
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as e:  # installed against another torch or CUDA: say so, loudly
+        return f"flash_attn is installed but does not import ({type(e).__name__}: {e})"
+    if device.type != "cuda":
+        return f"device is {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype is {dtype}; flash-attn needs float16 or bfloat16"
+    cc = torch.cuda.get_device_capability(device)
+    return f"compute capability {cc[0]}.{cc[1]}; flash-attn 2 needs 8.0" if cc < (8, 0) else None
+
+
+def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The one place the attention backend is chosen: flash-attn where it can run, else the
+    torch twins. "flash-attn" asked for where it cannot run is an error."""
+    why = None if requested == "torch" else flash_attn_missing(device, dtype)
+    if requested == "flash-attn" and why is not None:
+        raise ValueError(f"attention_backend='flash-attn' cannot be used: {why}. Install it "
+                         "with `pip install nanoserve[gpu]` on a CUDA machine, or use "
+                         "attention_backend='auto'.")
+    if requested == "auto" and why is not None and (device.type == "cuda" or "import" in why):
+        logging.getLogger("nanoserve").warning("attention: torch twins, not flash-attn: %s", why)
+    return "torch" if requested == "torch" or why is not None else "flash-attn"
 
 
 def resolve_block_size(backend_name: str, block_size: int | None, device: str) -> int:
@@ -92,13 +163,21 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = auto_device if config.device == "auto" else config.device
     dtype = resolve_dtype(config.dtype, device)
-    backend = select_backend(torch.device(device), DTYPES[dtype], config.attention_backend).name
+    backend = resolve_attention_backend(config.attention_backend, torch.device(device),
+                                        TORCH_DTYPES[dtype])
     model_limit = hf_config.max_position_embeddings
     max_model_len = config.max_model_len or model_limit  # as in vLLM: less only if asked for
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
                          f"max_position_embeddings ({model_limit})")
+    seqs, tokens = batch_defaults(device, config.usage_context)
+    tokens = config.max_num_batched_tokens or (tokens if config.enable_chunked_prefill
+                                               else max(tokens, max_model_len))
+    compile_ = config.torch_compile
     # replace() runs __post_init__ again, so the filled values are checked too.
     return replace(config, device=device, dtype=dtype, attention_backend=backend,
                    block_size=resolve_block_size(backend, config.block_size, device),
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, max_num_seqs=config.max_num_seqs or seqs,
+                   max_num_batched_tokens=tokens,
+                   torch_compile=(device.startswith("cuda") and not config.enforce_eager)
+                   if compile_ is None else compile_)

@@ -27,6 +27,10 @@ def as_token_id(value: object) -> int | None:
         return None
 
 
+MAX_N = 128  # completions per prompt (OpenAI's limit)
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
+
+
 class RequestOutputKind(enum.Enum):
     """vLLM's: what `step()` returns for a request. FINAL_ONLY: one output when it finishes.
     DELTA: every step, the new tokens and text since the last output (a server streams them)."""
@@ -41,7 +45,9 @@ class SamplingParams:
     top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the request its own generator:
     reproducible for the same batch schedule (README: what is guaranteed). `stop` strings end a
 request where they appear in its text, cut off unless include_stop_str_in_output (vLLM's
-semantics, engine/detokenizer.py). One sequence per request (n=1). The engine copies it."""
+semantics, engine/detokenizer.py). `n` completions of one prompt (vLLM's parallel sampling);
+`logprobs` N: each output token's log-probability, and the N most likely tokens'. The engine
+copies it."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,6 +59,7 @@ semantics, engine/detokenizer.py). One sequence per request (n=1). The engine co
     stop: list[str] = field(default_factory=list)  # a str is a list of one
     include_stop_str_in_output: bool = False
     n: int = 1
+    logprobs: int | None = None  # None: none; 0: the sampled token's only; N: and the top N
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
@@ -82,7 +89,10 @@ semantics, engine/detokenizer.py). One sequence per request (n=1). The engine co
              "stop", "a string or a list of non-empty strings")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              "a bool")
-        need(is_int(self.n) and self.n == 1, "n", "1 (one sequence per request)")
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]")
+        lp = self.logprobs
+        need(lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS), "logprobs",
+             f"None or an integer in [0, {MAX_LOGPROBS}]")
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind",
              "a RequestOutputKind")
 

@@ -11,6 +11,7 @@ max(len(stop)) - 1 characters are held back: they may be the start of a stop str
 from __future__ import annotations
 
 from nanoserve.engine.request import FinishReason, Request
+from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -32,6 +33,14 @@ class Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_logprobs(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """Each logprob's token as text, alone (vLLM's `decoded_token`)."""
+        if self.tokenizer is not None:
+            for entry in entries:
+                for token, text in zip(entry, self.tokenizer.batch_decode([[t] for t in entry])):
+                    entry[token].decoded_token = text
+        return entries
 
     def update(self, req: Request) -> str | None:
         """Take `req`'s new output tokens; returns the stop string they completed, if any.

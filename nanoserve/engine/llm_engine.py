@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import os
 import sys
 import time
 from collections.abc import Sequence
 
+import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from nanoserve.config import EngineConfig, resolve_config
+from nanoserve.config import EngineConfig, attention_reason, resolve_config
 from nanoserve.engine.detokenizer import Detokenizer
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from nanoserve.engine.request import FinishReason, Request
+from nanoserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from nanoserve.engine.parallel_sampling import ParentRequest
+from nanoserve.engine.request import FinishReason, Request, RequestStatus
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.static_scheduler import make_scheduler
 from nanoserve.models.loader import load_config
@@ -56,6 +59,8 @@ class LLM:
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
         self._ids = itertools.count()
         self._detokenizers: dict[str, Detokenizer] = {}  # of every unfinished request
+        self._parents: dict[str, ParentRequest] = {}  # n > 1: parent id and child ids -> parent
+        print(f"nanoserve: {self.describe()}", file=sys.stderr)
 
     def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
         ids = [getattr(hf_config, "eos_token_id", None),
@@ -64,8 +69,10 @@ class LLM:
             ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
         return frozenset(i for x in ids for i in (x if isinstance(x, list) else [x])) - {None}
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, priority: int) -> Request:
-        """Validate everything and build the Request; changes no engine state."""
+    def _make_requests(self, prompt: Prompt, params: SamplingParams,
+                       priority: int) -> list[Request]:
+        """Validate everything and build the Request (n > 1: its n children); changes no engine
+        state."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must have at least 1 token, got ''")
@@ -103,18 +110,36 @@ class LLM:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")
         if not is_int(priority):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        return Request(str(next(self._ids)), token_ids, params, self.eos_token_ids,
-                       priority=priority, prompt=text)
+        request_id = str(next(self._ids))
+        children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else
+                                        (params.seed + i) % 2**64) for i in range(params.n)]
+        return [Request(request_id if params.n == 1 else f"{i}_{request_id}", token_ids, child,
+                        self.eos_token_ids, priority=priority, prompt=text,
+                        generator=self._generator(child.seed)) for i, child in enumerate(children)]
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        """A seeded request's own generator, on the device its tokens are sampled on."""
+        return None if seed is None else torch.Generator(self.config.device).manual_seed(seed)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> str:
         """Queue one request (a str or token ids); returns its request_id."""
-        return self._add(self._make_request(prompt, sampling_params or SamplingParams(), priority))
+        return self._add(self._make_requests(prompt, sampling_params or SamplingParams(),
+                                             priority))
 
-    def _add(self, req: Request) -> str:
-        self._detokenizers[req.request_id] = Detokenizer(self.tokenizer, req.sampling_params)
-        self.scheduler.add_request(req)
-        return req.request_id
+    def _add(self, reqs: list[Request]) -> str:
+        for req in reqs:
+            self._detokenizers[req.request_id] = Detokenizer(self.tokenizer, req.sampling_params)
+        if len(reqs) == 1:
+            self.scheduler.add_request(reqs[0])
+            return reqs[0].request_id
+        parent_id = reqs[0].request_id.partition("_")[2]
+        held = reqs[1:] if self.config.enable_prefix_caching else []
+        parent = ParentRequest(parent_id, reqs, held)
+        self._parents.update({r.request_id: parent for r in [*reqs, parent]})
+        for req in reqs[:len(reqs) - len(held)]:
+            self.scheduler.add_request(req)
+        return parent_id
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting, running or preempted request; its output (finish_reason
@@ -122,13 +147,24 @@ class LLM:
         if not isinstance(request_id, str):  # abort(3) would silently miss request "3"
             raise ValueError(f"request_id must be a str (the id add_request returned), "
                              f"got {type(request_id).__name__} {request_id!r}")
-        req = self.scheduler.abort(request_id)
-        if req is not None:
-            self._pending.append(self._output(req))
-        return req is not None
+        parent = self._parents.get(request_id)
+        aborted = []
+        for req in parent.children if parent and parent.request_id == request_id else []:
+            if req in parent.held:  # never scheduled: it ends here
+                parent.held.remove(req)
+                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+                aborted.append(req)
+            else:
+                aborted.append(self.scheduler.finish_request(req.request_id, FinishReason.ABORT))
+        if parent is None or parent.request_id != request_id:
+            aborted.append(self.scheduler.finish_request(request_id, FinishReason.ABORT))
+        outputs = self._gather([self._output(req) for req in aborted if req is not None])
+        self._pending += outputs
+        return any(req is not None for req in aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending)
+                or any(p.held for p in self._parents.values()))
 
     def trace_to(self, path: str, source: str = "engine") -> None:
         """Append every following step to `path` as JSON lines, a new run (trace.py)."""
@@ -145,12 +181,18 @@ class LLM:
         finished: list[Request] = []
         if not out.is_empty:
             sampled = self.model_runner.execute_model(out)
-            finished = self.scheduler.update_from_output(out, sampled)
+            for entry in out.scheduled:  # before update_from_output, which may end the request
+                if (logprobs := sampled.logprobs.get(entry.request.request_id)) is not None:
+                    entry.request.logprobs.append(logprobs)
+            finished = self.scheduler.update_from_output(out, sampled.token_ids)
         elif not out.preempted and self.scheduler.has_unfinished_requests():
             # (A step that only preempted is progress: a request evicted itself.)
             raise RuntimeError("the scheduler could schedule nothing although requests are "
                                "pending; this is a bug (it would otherwise hang)")
         deltas = self._detokenize(out, finished)
+        for parent in {id(p): p for p in self._parents.values()}.values():
+            for req in parent.release():  # child 0 computed the prompt: its blocks are cached
+                self.scheduler.add_request(req)
         self.num_steps += 1
         self.last_scheduler_output = out
         if self.tracer is not None:
@@ -158,7 +200,7 @@ class LLM:
         if self.trace:
             print(trace_line(self.num_steps, out, finished, self.scheduler), file=sys.stderr)
         outputs, self._pending = self._pending, []
-        return outputs + [self._output(r) for r in deltas + finished]
+        return outputs + self._gather([self._output(r) for r in deltas + finished])
 
     def _detokenize(self, out: SchedulerOutput, finished: list[Request]) -> list[Request]:
         """Detokenize; a stop string finishes its request. Returns the DELTAs to output."""
@@ -168,12 +210,29 @@ class LLM:
             if not entry.samples or not (d := self._detokenizers[req.request_id]).incremental:
                 continue
             if d.update(req) and req.finish_reason != FinishReason.ERROR:  # a stop string
-                if not req.is_finished:  # it ends now; abort() frees its blocks at once
-                    finished.append(self.scheduler.abort(req.request_id))
-                req.finish_reason = FinishReason.STOP
+                if req.is_finished:  # completed by the token that ended it: a stop, as vLLM
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    finished.append(self.scheduler.finish_request(req.request_id,
+                                                                  FinishReason.STOP))
             elif d.delta and not req.is_finished:
                 deltas.append(req)
         return deltas
+
+    def _gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """n > 1: each child's output as its parent's (parallel_sampling.py)."""
+        gathered = []
+        for output in outputs:
+            if (parent := self._parents.get(output.request_id)) is None:
+                gathered.append(output)
+                continue
+            delta = parent.children[0].sampling_params.output_kind == RequestOutputKind.DELTA
+            if (mine := parent.gather(output, delta)) is not None:
+                gathered.append(mine)
+            if mine is not None and mine.finished:
+                for key in [parent.request_id, *(c.request_id for c in parent.children)]:
+                    del self._parents[key]
+        return gathered
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -193,18 +252,19 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries but there are "
                                  f"{len(prompts)} prompts")
-        requests = [self._make_request(p, sp, 0) for p, sp in zip(prompts, params)]
-        for req in requests:  # all validated: only now does engine state change
-            req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY  # one output each
-            self._add(req)
-        mine = {r.request_id for r in requests}
+        requests = [self._make_requests(p, sp, 0) for p, sp in zip(prompts, params)]
+        mine = []
+        for reqs in requests:  # all validated: only now does engine state change
+            for req in reqs:
+                req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY  # one output each
+            mine.append(self._add(reqs))
         results: dict[str, RequestOutput] = {}
         strays: list[RequestOutput] = []
-        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(mine), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         tokens = {"prefill": 0, "decode": 0}
         start = time.perf_counter()
         try:
-            while len(results) < len(requests):
+            while len(results) < len(mine):
                 for output in self.step():
                     if output.request_id in mine:
                         results[output.request_id] = output
@@ -217,25 +277,44 @@ class LLM:
                 bar.set_postfix_str(f"prefill {tokens['prefill'] / elapsed:.0f} tok/s, "
                                     f"decode {tokens['decode'] / elapsed:.0f} tok/s")
         except BaseException:
-            for req in requests:  # leave nothing of ours behind holding KV blocks
-                self.scheduler.abort(req.request_id, drop_finished=True)
+            for req in (r for reqs in requests for r in reqs):  # leave nothing holding KV
+                self.scheduler.finish_request(req.request_id, FinishReason.ABORT,
+                                              drop_finished=True)
                 self._detokenizers.pop(req.request_id, None)
+                self._parents.pop(req.request_id, None)
+            for request_id in mine:
+                self._parents.pop(request_id, None)
             raise
         finally:
             bar.close()
             self._pending += strays
-        return [results[r.request_id] for r in requests]
+        return [results[request_id] for request_id in mine]
 
     def _output(self, req: Request) -> RequestOutput:
         d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)
+        first = d.num_sent_tokens if d.delta else 0  # the first output token this one returns
         text, token_ids, stop_reason = d.output(req)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=text, token_ids=token_ids, finish_reason=req.finish_reason and
-            req.finish_reason.value, error=req.error, metrics=RequestMetrics.from_request(req),
-            finished=req.is_finished, stop_reason=stop_reason)
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = d.decode_logprobs(req.logprobs[first:first + len(token_ids)])
+        completion = CompletionOutput(0, text, token_ids, req.finish_reason and
+                                      req.finish_reason.value, stop_reason, req.error, logprobs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             RequestMetrics.from_request(req), finished=req.is_finished)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.usage, bm.num_free_blocks,
                            s.num_preemptions, bm.prefix_cache_hit_rate, self.num_steps)
+
+    def describe(self) -> str:
+        """What runs: the start-up line (also printed by LLM())."""
+        c, r = self.config, self.model_runner
+        graphs = c.device.startswith("cuda") and not c.enforce_eager
+        return (f"{c.device}, {c.dtype}, attention {c.attention_backend} "
+                f"({attention_reason(c)}), block size {c.block_size}, {r.num_kv_blocks} KV "
+                f"blocks ({r.kv_cache_bytes / 2**30:.2f} GiB), weights "
+                f"{r.weight_bytes / 2**30:.2f} GiB, max_num_seqs {c.max_num_seqs}, "
+                f"max_num_batched_tokens {c.max_num_batched_tokens}, CUDA graphs "
+                f"{'on' if graphs else 'off'}, torch.compile {'on' if c.torch_compile else 'off'}, "
+                f"fast paths {', '.join(r.fast_paths) or 'none'}")

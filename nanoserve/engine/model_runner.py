@@ -3,21 +3,28 @@
 Selective batching (Orca): the new tokens of *all* scheduled requests, prefill chunks and decodes
 alike, are flattened into one batch of rows. The linear layers don't care where a request ends; only
 attention does, told by the `AttentionMetadata` built here (with each new token's KV slot). Rows:
-decodes (one new token each, then static batching's idle rows), then prefill chunks."""
+decodes (one new token each, then static batching's idle rows), then prefill chunks.
+
+On a GPU the step's inputs go up in one batch of pinned, asynchronous copies, and the sampled
+tokens are the only thing read back; decode steps replay CUDA graphs (cuda_graph.py) unless
+`enforce_eager`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import torch
 
-from nanoserve.config import DTYPES, EngineConfig
+from nanoserve.config import TORCH_DTYPES, EngineConfig
+from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from nanoserve.layers.attention import AttentionMetadata, select_backend
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.attention import AttentionMetadata, get_backend
+from nanoserve.layers.sampler import Logprob, Sampler
+from nanoserve.models.decoder import RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
 
@@ -27,8 +34,22 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    sample_indices: list[int]  # the row of each sampling request's last token
+    sample_indices: torch.Tensor  # [num_sampling] int64: the row of each one's last token
     sample_requests: list[Request]
+
+
+@dataclass
+class ModelRunnerOutput:
+    token_ids: dict[str, int | str]  # each sampling request's token (or the sampler's error)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # where asked for
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int32,
+              ) -> torch.Tensor:
+    """A host list on `device`: on CUDA through pinned memory and an asynchronous copy (torch's
+    caching host allocator reuses the pinned blocks, and knows when a copy is done with one)."""
+    tensor = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return tensor.to(device, non_blocking=True)
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -54,48 +75,76 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + start + n)
 
-    def to_device(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
     def block_tables(rows: list) -> torch.Tensor:  # padding -> block 0, never read
         width = max((len(r[0].block_table) for r in rows), default=0)
-        table = [r[0].block_table + [0] * (width - len(r[0].block_table)) for r in rows]
-        return torch.tensor(table, dtype=torch.int32).reshape(len(rows), width).to(device)
+        table = [x for r in rows for x in r[0].block_table + [0] * (width - len(r[0].block_table))]
+        return to_device(table, device).view(len(rows), width)
 
     meta = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64), num_decode_tokens=len(decode_rows),
-        decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows]),
+        slot_mapping=to_device(slots, device, torch.int64), num_decode_tokens=len(decode_rows),
+        decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows], device),
         decode_block_tables=block_tables(decode_rows), num_prefill_tokens=cu_q[-1],
-        cu_seqlens_q=to_device(cu_q), cu_seqlens_k=to_device(cu_k),
+        cu_seqlens_q=to_device(cu_q, device), cu_seqlens_k=to_device(cu_k, device),
         max_seqlen_q=max((n for _, _, n, _ in prefill_rows), default=0),
         max_seqlen_k=max((start + n for _, start, n, _ in prefill_rows), default=0),
         prefill_block_tables=block_tables(prefill_rows))
-    return ModelInputs(to_device(input_ids, torch.int64), to_device(positions, torch.int64),
-                       meta, sample_indices, sample_requests)
+    return ModelInputs(to_device(input_ids, device, torch.int64),
+                       to_device(positions, device, torch.int64), meta,
+                       to_device(sample_indices, device, torch.int64), sample_requests)
 
 
-def fast_paths() -> list[Callable[[ModelRunner], None]]:
-    """The optional fast paths (nanoserve/accel/ ships one), found as vLLM finds its plugins, by
-    entry point: the chapter core imports none of them. `enforce_eager=True` skips them all."""
-    return [ep.load() for ep in entry_points(group="nanoserve.fast_paths")]
+def fast_paths() -> list[tuple[str, Callable[[ModelRunner], None]]]:
+    """The installed fast-path plugins (nanoserve_accel ships one), found as vLLM finds its
+    plugins, by entry point: the chapter core imports none of them. One that fails to load is
+    skipped with a warning: the engine runs its plain path."""
+    found = []
+    for ep in entry_points(group="nanoserve.fast_paths"):
+        try:
+            found.append((ep.name, ep.load()))
+        except Exception as e:  # e.g. its folder was deleted after it was installed
+            logging.getLogger("nanoserve").warning("fast path %r did not load, running the "
+                                                   "plain path: %s: %s", ep.name,
+                                                   type(e).__name__, e)
+    return found
+
+
+def compile_elementwise(model: torch.nn.Module) -> None:
+    """torch.compile the small element-wise modules (RMSNorm, SiLU-and-mul, RoPE), each into one
+    kernel, as nano-vllm does on CUDA; compiled once per class (dynamic shapes) and bound to every
+    instance. The decoder's code, and what it computes, stay as written."""
+    compiled: dict[type, Callable] = {}
+    for module in model.modules():
+        if type(module) in (RMSNorm, SiluAndMul, RotaryEmbedding):
+            cls = type(module)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(cls.forward, dynamic=True)
+            module.forward = compiled[cls].__get__(module)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         """`config` is resolved (resolve_config): no "auto" or None is left in it."""
         self.config, self.block_size = config, config.block_size
-        self.device, self.dtype = torch.device(config.device), DTYPES[config.dtype]
-        self.backend = select_backend(self.device, self.dtype, config.attention_backend)
+        self.device, self.dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
+        self.backend = get_backend(config.attention_backend)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_layers = self.model.attention_layers()
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
+        self.fast_paths = []
+        for name, optimize in fast_paths() if config.enable_fast_paths else []:
+            optimize(self)  # may replace modules of self.model, and self.backend
+            self.fast_paths.append(name)
+        if config.torch_compile:
+            compile_elementwise(self.model)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
         self._allocate_kv_cache()
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        if not config.enforce_eager:
-            for optimize in fast_paths():  # may swap modules of self.model, or the model itself
-                optimize(self)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.model = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
+                                         self.num_kv_blocks, self.block_size)  # the sink block
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]  # K and V of block_size tokens, in every layer
@@ -121,10 +170,9 @@ class ModelRunner:
             n = min(self.block_size, num_tokens - start)
             req = Request(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
             req.block_table = [i]
-            step.scheduled.append(ScheduledRequest(req, n, samples=False))
+            step.scheduled.append(ScheduledRequest(req, n, samples=True))
         self._allocate_kv_cache(num_blocks=len(step.scheduled))
-        inputs = prepare_inputs(step, self.block_size, self.device)
-        self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        self.execute_model(step)  # the logits and the sampler's buffers count too
         peak = torch.cuda.max_memory_allocated(self.device)
         for attn in self.attn_layers:  # drop the scratch cache's last references
             attn.bind(torch.empty(0), torch.empty(0), self.backend)
@@ -146,15 +194,16 @@ class ModelRunner:
             attn.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> dict[str, int | str]:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; return each sampling request's token (or the sampler's error)."""
         inputs = prepare_inputs(out, self.block_size, self.device)
-        meta = inputs.attn_metadata
-        hidden = self.model(inputs.input_ids, inputs.positions, meta)
-        if not inputs.sample_requests:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         reqs = inputs.sample_requests
-        token_ids = self.sampler(logits, [r.sampling_params for r in reqs],
-                                 [r.generator for r in reqs])
-        return {r.request_id: t for r, t in zip(reqs, token_ids)}
+        if not reqs:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        token_ids, logprobs = self.sampler(logits, [r.sampling_params for r in reqs],
+                                           [r.generator for r in reqs])
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, token_ids)},
+                                 {r.request_id: lp for r, lp in zip(reqs, logprobs)
+                                  if lp is not None})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.engine.request import Request
+from nanoserve.layers.sampler import Logprob
 
 
 @dataclass
@@ -29,17 +30,36 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a prompt (vLLM's); `n` > 1 gives several, `index` tells which."""
+
+    index: int
     text: str  # DELTA outputs (SamplingParams.output_kind): the new text and tokens only
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or "error"; None: still running
-    metrics: RequestMetrics
-    error: str | None = None  # why, when finish_reason is "error"
-    finished: bool = True  # False: a DELTA output of a running request
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # why, when finish_reason is "error"
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the top N
+
+
+@dataclass
+class RequestOutput:
+    """vLLM's: a prompt and its completions. `text`, `token_ids`, ... are the first completion's
+    (with n=1, the only one)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = True  # False: a DELTA output of a running request
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
+    error = property(lambda self: self.outputs[0].error)
+    logprobs = property(lambda self: self.outputs[0].logprobs)
 
 
 @dataclass

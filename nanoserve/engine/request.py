@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -50,14 +51,13 @@ class Request:
     error: str | None = None
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
     num_preemptions: int = 0
-    generator: torch.Generator | None = None  # set when sampling_params.seed is given
+    generator: torch.Generator | None = None  # its own, on the sampler's device, if seeded
     first_token_time: float | None = None  # metrics timestamps: time.monotonic()
     finish_time: float | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per output token, if asked
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:

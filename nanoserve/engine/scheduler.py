@@ -197,8 +197,10 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
-        """Remove a waiting, running or preempted request, freeing its blocks (else no-op: None)."""
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       drop_finished: bool = False) -> Request | None:
+        """End a waiting, running or preempted request from outside the step (an abort, a stop
+        string), freeing its blocks at once; unknown or finished ids: no-op, None."""
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)
@@ -208,7 +210,7 @@ class Scheduler:
             req = self.waiting.remove(request_id)
             if req is None:
                 return None
-        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.finish_time = time.monotonic()
         return req
 

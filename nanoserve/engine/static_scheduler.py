@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 
 
@@ -54,8 +54,9 @@ class StaticScheduler(Scheduler):
             self.block_manager.free(req)
         return batch
 
-    def abort(self, request_id: str, drop_finished: bool = False) -> Request | None:
-        """Aborting a finished row waiting for its batch is a no-op (None): it leaves with its
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       drop_finished: bool = False) -> Request | None:
+        """Ending a finished row waiting for its batch is a no-op (None): it leaves with its
         batch, unless `drop_finished` (a failed generate()) removes it and frees its blocks."""
         for req in self.idle_rows:
             if req.request_id == request_id:
@@ -63,7 +64,7 @@ class StaticScheduler(Scheduler):
                     self.idle_rows.remove(req)
                     self.block_manager.free(req)
                 return None
-        return super().abort(request_id)
+        return super().finish_request(request_id, reason)
 
 
 def make_scheduler(config: EngineConfig, num_kv_blocks: int, block_size: int) -> Scheduler:

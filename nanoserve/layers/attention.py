@@ -3,11 +3,11 @@
 `AttentionMetadata` tells attention where each request of the flattened batch ends. Rows are
     [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
 where "decode" just means one new token this step (a one-token prefill chunk takes that path,
-correctly). Both calls: flash-attn's where it can run (`select_backend`), else the torch twins."""
+correctly). Both calls: flash-attn's where it can run (config.resolve_attention_backend), else the
+torch twins."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,40 +87,13 @@ class Attention(nn.Module):
         return out
 
 
-ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
-_fallbacks_logged: set[str] = set()  # say each reason for not using flash-attn once
+def get_backend(name: str) -> AttentionBackend:
+    """The kernels of a backend config.resolve_attention_backend chose: flash-attn's, or the
+    torch twins with its signatures."""
+    if name == "flash-attn":
+        import flash_attn
 
-
-def select_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto",
-                   compute_capability: tuple[int, int] | None = None) -> AttentionBackend:
-    """The one place that picks the kernels: flash-attn when it imports and can run here, else the
-    torch twins. `requested` "flash-attn" makes that an error (raised before any weights load)."""
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                         f"got {requested!r}")
-    if requested != "torch":
-        try:
-            import flash_attn
-        except ImportError:
-            flash_attn = None
-        why = ("flash_attn is not installed" if flash_attn is None
-               else f"device is {device.type}" if device.type != "cuda"
-               else f"dtype is {dtype}; flash-attn needs float16 or bfloat16"
-               if dtype not in (torch.float16, torch.bfloat16) else None)
-        if why is None:
-            cc = compute_capability or torch.cuda.get_device_capability(device)
-            if tuple(cc) < (8, 0):
-                why = f"compute capability is {cc[0]}.{cc[1]}; flash-attn 2 needs >= 8.0"
-        if why is None:
-            return AttentionBackend("flash-attn", flash_attn.flash_attn_varlen_func,
-                                    flash_attn.flash_attn_with_kvcache)
-        if requested == "flash-attn":
-            raise ValueError(f"attention_backend='flash-attn' cannot be used: {why}. Install it "
-                             "with `pip install nanoserve[gpu]` on a CUDA machine, or use "
-                             "attention_backend='auto'.")
-        if device.type == "cuda" and why not in _fallbacks_logged:
-            _fallbacks_logged.add(why)
-            logging.getLogger("nanoserve").warning("attention: torch twins, not flash-attn: %s",
-                                                   why)
+        return AttentionBackend(name, flash_attn.flash_attn_varlen_func,
+                                flash_attn.flash_attn_with_kvcache)
     return AttentionBackend("torch", torch_attention.flash_attn_varlen_func,
                             torch_attention.flash_attn_with_kvcache)

@@ -1,64 +1,141 @@
-"""§4 ("one forward step"): turn each sampling row's logits into its next token.
+"""§4 ("one forward step"): turn each sampling row's logits into its next token, on the logits'
+device, for the whole batch at once (vLLM V1's sampler): nothing of [rows, vocab] leaves the
+device, and the only transfer back is one small tensor, the tokens.
 
-Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. Others are
-scaled by temperature, cut by top-k and top-p, and drawn in float32 from the request's own generator
-if it has a seed, else the engine's. A row that cannot be sampled (NaN logits, no token with a
-finite probability) gets an error message instead of a token: only its request fails."""
+Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. The others are
+scaled by their temperature, cut by top-k and top-p (batched tensor ops, each row its own knobs),
+and drawn in one go: token = argmax(probs / q) with q ~ Exp(1), which picks token i with
+probability probs[i] (the "exponential race"). A request with a seed draws its q from its own
+generator, so no neighbour consumes its random numbers; the others share the engine's.
+A row that cannot be sampled (NaN logits, no token with a finite probability) gets an error message
+instead of a token: only its request fails. `logprobs`, where asked for, are the model's own
+(log-softmax of the raw logits, vLLM's default): the sampled token (and rank), and the top N."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from nanoserve.sampling_params import SamplingParams
 
+NAN_LOGITS, NO_PROBABILITY = -1, -2  # error codes in the token tensor
+ERRORS = {NAN_LOGITS: "sampling failed: the logits contain NaN",
+          NO_PROBABILITY: "sampling failed: no token has a finite, non-zero probability"}
+
+
+@dataclass
+class Logprob:
+    """vLLM's: a token's log-probability, its rank (1 = most likely) and text (the engine's)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class SamplingMetadata:
+    """The step's sampling knobs as tensors on the logits' device, one row per sampling request."""
+
+    rows: torch.Tensor | None  # indices of the rows that sample (None: all rows are greedy)
+    temperature: torch.Tensor | None  # [len(rows)] float32, and the knobs of those rows:
+    top_k: torch.Tensor | None  # int64, vocab where off; None: no row uses top-k
+    top_p: torch.Tensor | None  # float32; None: no row uses top-p
+    generators: dict[int, torch.Generator]  # position in `rows` -> that request's generator
+    num_logprobs: list[int | None]  # per row: how many top logprobs (None: none)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              vocab_size: int, device: torch.device) -> SamplingMetadata:
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        num_logprobs = [p.logprobs for p in params]
+        if not rows:
+            return cls(None, None, None, None, {}, num_logprobs)
+        sampled = [params[i] for i in rows]
+
+        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True) \
+                if device.type == "cuda" else torch.tensor(values, dtype=dtype)
+
+        # min(): a huge temperature (even inf) stays finite, so -inf / t = -inf, not NaN.
+        temperature = to_device([min(p.temperature, 3e38) for p in sampled], torch.float32)
+        top_k = None if all(p.top_k is None for p in sampled) else to_device(
+            [min(p.top_k or vocab_size, vocab_size) for p in sampled], torch.int64)
+        top_p = None if all(p.top_p == 1.0 for p in sampled) else to_device(
+            [p.top_p for p in sampled], torch.float32)
+        seeded = {j: generators[i] for j, i in enumerate(rows) if generators[i] is not None}
+        return cls(to_device(rows, torch.int64), temperature, top_k, top_p, seeded, num_logprobs)
+
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device).manual_seed(seed)  # the engine's
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int | str]:
-        """logits [rows, vocab], a params and generator (or None) per row -> token or error str."""
+                 generators: list[torch.Generator | None],
+                 ) -> tuple[list[int | str], list[dict[int, Logprob] | None]]:
+        """logits [rows, vocab], a params and generator (or None) per row -> each row's token
+        (or error message), and its logprobs (None where not asked for)."""
+        meta = SamplingMetadata.build(params, generators, logits.shape[1], logits.device)
         # max in the logits' own dtype: the same first-maximum index as argmax in float32 (the
-        # widening is exact), without a float32 copy of every row. It propagates NaN: a row
-        # holding one has it as its maximum (O(rows) check).
-        top, greedy = logits.max(dim=-1)
-        nan_rows = top.isnan().tolist()
-        token_ids: list[int | str] = ["sampling failed: the logits contain NaN" if nan else t
-                                      for nan, t in zip(nan_rows, greedy.tolist())]
-        rows = [i for i, p in enumerate(params) if not p.greedy and not nan_rows[i]]
-        if not rows:
-            return token_ids
-        probs, order = self._filtered_probs(logits[rows].float().cpu(), [params[i] for i in rows])
-        # Draw in vocabulary order, not sorted order: a last-bit change of the logits (another
-        # batch shape) then moves probabilities a little instead of swapping near-tied tokens.
-        probs = torch.zeros_like(probs).scatter_(1, order, probs)
-        # Every row is checked before anything is drawn, so a bad row never consumes random
-        # numbers that a neighbour (sharing the engine's generator) would have drawn.
-        ok = (probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-        for j, i in enumerate(rows):
-            if not ok[j]:
-                token_ids[i] = "sampling failed: no token has a finite, non-zero probability"
-            else:
-                token_ids[i] = int(torch.multinomial(
-                    probs[j], 1, generator=generators[i] or self.generator))
-        return token_ids
+        # widening is exact), without a float32 copy of every row. It propagates NaN.
+        top, tokens = logits.max(dim=-1)
+        if meta.rows is not None:
+            probs = filtered_probs(logits[meta.rows].float(), meta)
+            tokens = tokens.index_put((meta.rows,), self.draw(probs, meta.generators))
+        tokens = tokens.masked_fill(top.isnan(), NAN_LOGITS)
+        token_list = [ERRORS.get(t, t) for t in tokens.tolist()]  # the step's one readback
+        logprobs = [None] * len(token_list)
+        if any(n is not None for n in meta.num_logprobs):
+            logprobs = top_logprobs(logits, tokens, meta.num_logprobs)
+        return token_list, logprobs
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sorted probabilities (descending) and their vocabulary order; 0 outside top-k, top-p."""
-        # min(): a huge temperature (even inf) stays finite in float32, so -inf / t = -inf, not NaN.
-        temperature = torch.tensor([min(p.temperature, 3e38) for p in params]).unsqueeze(1)
-        logits, order = (logits / temperature).sort(dim=-1, descending=True)
-        vocab = logits.shape[1]
-        rank = torch.arange(vocab).unsqueeze(0)
-        top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params]).unsqueeze(1)
-        logits = logits.masked_fill(rank >= top_k, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        # top-p: keep the smallest prefix whose mass reaches top_p, and the first token
-        # always (a top_p below float32's smallest rounds to 0).
-        top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    def draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One token per row, probs[i] its chance (probs / q, q ~ Exp(1)); NO_PROBABILITY for
+        rows with nothing to draw. Seeded rows take their q from their own generator."""
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, generator in generators.items():
+            q[j].exponential_(generator=generator)
+        # A q of exactly 0 would make 0 / 0 = NaN, which argmax would pick.
+        tokens = (probs / q.clamp_min_(1e-30)).argmax(dim=-1)
+        return tokens.masked_fill(~(probs.sum(dim=-1) > 0), NO_PROBABILITY)  # also NaN sums
+
+
+def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 logits [rows, vocab] -> probabilities after temperature, top-k and top-p, in
+    vocabulary order. top-k keeps exactly k tokens; top-p the smallest prefix of the sorted
+    distribution whose mass reaches top_p (the crossing token kept, and always the first)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.top_k is None and meta.top_p is None:
+        return logits.softmax(dim=-1)
+    logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    if meta.top_k is not None:
+        logits = logits.masked_fill(rank >= meta.top_k.unsqueeze(1), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if meta.top_p is not None:  # (a top_p below float32's smallest rounds to 0: keep rank 0)
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill((mass_before >= top_p) & (rank > 0), 0.0)
-        return probs, order
+        probs = probs.masked_fill((mass_before >= meta.top_p.unsqueeze(1)) & (rank > 0), 0.0)
+    # Back to vocabulary order, where the noise is drawn: a last-bit change of the logits
+    # (another batch shape) then moves probabilities a little instead of swapping near-ties.
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None],
+                 ) -> list[dict[int, Logprob] | None]:
+    """For each row that asked: the sampled token's logprob and rank, and the top N tokens'."""
+    asked = [i for i, n in enumerate(num_logprobs) if n is not None]
+    index = torch.tensor(asked, device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    chosen = tokens[index].clamp_min(0).unsqueeze(1)  # an error row's entry is never read
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(max(num_logprobs[i] for i in asked), dim=-1)
+    out: list[dict[int, Logprob] | None] = [None] * len(num_logprobs)
+    for i, token, lp, rank, lps, ids in zip(asked, chosen[:, 0].tolist(),
+                                            chosen_lp[:, 0].tolist(), ranks.tolist(),
+                                            top_lp.tolist(), top_ids.tolist()):
+        n = num_logprobs[i]
+        out[i] = {token: Logprob(lp, rank)} | {t: Logprob(v, r + 1) for r, (t, v)
+                                               in enumerate(zip(ids[:n], lps[:n]))}
+    return out

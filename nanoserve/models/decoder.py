@@ -3,8 +3,10 @@
   - Qwen2: bias on q/k/v projections;
   - Qwen3: RMSNorm on each head of q and k (before RoPE), explicit `head_dim`;
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
-Module names are HF's, so checkpoint tensors load by name. Tokens are flattened (§1: one weight read
-serves them all): every tensor is [num_tokens, ...]; only attention knows where requests end."""
+Module names are HF's, but for vLLM's merged projections `qkv_proj` and `gate_up_proj`
+(layers/linear.py), which the loader fills from HF's separate tensors. Tokens are flattened (§1:
+one weight read serves them all): every tensor is [num_tokens, ...]; only attention knows where
+requests end."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.linear import ColumnParallelLinear, RowParallelLinear, divide
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -67,20 +70,31 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
+class SiluAndMul(nn.Module):
+    """The gated MLP's activation on the merged rows [gate | up]: silu(gate) * up."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank, name="intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, **tp)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE, HF's "default" rope_type: fp32 cos/sin tables [max_positions, head_dim], built once and
-    shared by all layers; each token of a flattened batch just looks up its own position."""
+    shared by all layers. `cos_sin` looks up the step's positions once; every layer then rotates
+    its q and k with them (`forward`)."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
@@ -99,57 +113,66 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor,
+    def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim] (broadcast over heads)."""
         return (self.cos_cache[positions].to(dtype).unsqueeze(1),
                 self.sin_cache[positions].to(dtype).unsqueeze(1))
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k [num_tokens, heads, head_dim], rotated as HF's rotate_half."""
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim], cos/sin [num_tokens, 1, head_dim]; as HF's rotate_half."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        qwen2 = config.model_type == "qwen2"
-        bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias or qwen2)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias or qwen2)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias or qwen2)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        hidden, self.head_dim = config.hidden_size, head_dim_of(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = divide(heads, tp_size, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = divide(kv_heads, tp_size, "num_key_value_heads")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = ColumnParallelLinear(
+            hidden, [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim],
+            qkv_bias, tp_size, tp_rank, name="the q/k/v heads")
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden,
+                                        getattr(config, "attention_bias", False), tp_size, tp_rank)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary_emb(q, k, cos, sin)
         out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
-        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.view(n, self.num_heads * d))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config)
+        self.self_attn = DecoderAttention(config, rotary_emb, tp_size, tp_rank)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            bias=getattr(config, "mlp_bias", False))
+                            getattr(config, "mlp_bias", False), tp_size, tp_rank)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -162,18 +185,19 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, layers and final norm: HF's `model.` prefix."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_theta(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary_emb, tp_size, tp_rank)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)

@@ -20,13 +20,31 @@ def load_config(model_dir: str) -> PretrainedConfig:
     return config
 
 
+# HF's separate tensors -> (the merged parameter's module, which part of it): vLLM's
+# `stacked_params_mapping`, nano-vllm's `packed_modules_mapping`.
+STACKED_PARAMS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                  "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str, int]]:
+    """Every tensor the checkpoint must hold -> (the parameter it loads into, its part)."""
+    names = {}
+    for param_name, _ in model.named_parameters():  # tied weights appear once
+        *path, module, kind = param_name.split(".")
+        for part, hf_module in enumerate(STACKED_PARAMS.get(module, (module,))):
+            names[".".join([*path, hf_module, kind])] = (param_name, part)
+    return names
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
+    """Each checkpoint tensor into its parameter, read from the memory-mapped file; a merged or
+    parallel linear's `weight_loader` reads only its part (and this rank's slice of it)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir!r}")
-    params = dict(model.named_parameters())  # tied weights appear once, under embed_tokens
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    missing, unexpected = checkpoint_names(model), []
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing, unexpected = set(params), []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -34,15 +52,20 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
                     continue  # older checkpoints save RoPE frequencies; we compute them
                 if tied and name == "lm_head.weight":
                     continue  # HF ignores it too when embeddings are tied
-                if name not in params:
+                if name not in missing:
                     unexpected.append(name)
                     continue
-                tensor, param = f.get_tensor(name), params[name]
-                if tensor.shape != param.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                                     f"!= model shape {tuple(param.shape)}")
-                param.copy_(tensor)  # converts dtype and moves to the model's device
-                missing.discard(name)
+                (target, part), tensor = missing.pop(name), f.get_slice(name)
+                param, module = params[target], modules[target.rpartition(".")[0]]
+                shape = module.full_shape(param, part) if hasattr(module, "full_shape") \
+                    else tuple(param.shape)
+                if tuple(tensor.get_shape()) != shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.get_shape())} "
+                                     f"!= model shape {shape}")
+                if hasattr(module, "weight_loader"):
+                    module.weight_loader(param, tensor, part)
+                else:
+                    param.copy_(tensor[:])  # converts dtype and moves to the model's device
     if missing or unexpected:
         raise ValueError(f"checkpoint in {model_dir!r} does not match the model: "
                          f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")

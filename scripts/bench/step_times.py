@@ -36,8 +36,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ (the llama.cpp peer)
 from benchmarks import llamacpp_system
-from nanoserve.accel.kernels import compile_kernels
-from nanoserve.accel.linear import PackedLinear
 from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine import scheduler as sched
 from nanoserve.engine.model_runner import ModelRunner
@@ -46,6 +44,8 @@ from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import cpu
 from nanoserve.utils.bundled import default_model_dir
+from nanoserve_accel.kernels import compile_kernels
+from nanoserve_accel.linear import PackedLinear
 
 
 def decode_batch(runner: ModelRunner, rows: int, context: int):

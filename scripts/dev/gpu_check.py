@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.accel.cuda_graph import CUDAGraphRunner, padded_batch_size
+from nanoserve.engine.cuda_graph import CUDAGraphRunner, padded_batch_size
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionMetadata
 

@@ -38,30 +38,32 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/core/test_sampler.py", "tests/core/test_sampling.py",
               "tests/core/test_stop_tokens.py", "tests/core/test_properties.py",
               "tests/core/test_abort.py", "tests/core/test_validation.py",
-              "tests/accel/test_linear.py", "tests/accel/test_paged_attention.py",
-              "tests/accel/test_merged.py", "tests/accel/test_fused.py",
-              "tests/accel/test_amx.py", "tests/accel/test_dot_fp32.py",
-              "tests/accel/test_layer.py", "tests/accel/test_prefill_attention.py",
-              "tests/accel/test_fast_path.py",
+              "nanoserve_accel/tests/test_linear.py",
+              "nanoserve_accel/tests/test_paged_attention.py",
+              "nanoserve_accel/tests/test_fused.py",
+              "nanoserve_accel/tests/test_amx.py", "nanoserve_accel/tests/test_dot_fp32.py",
+              "nanoserve_accel/tests/test_layer.py",
+              "nanoserve_accel/tests/test_prefill_attention.py",
+              "nanoserve_accel/tests/test_fast_path.py",
               "tests/server/test_engine_thread.py"]
+A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
          "nanoserve/engine/block_manager.py": ["tests/core/test_scheduler_vllm.py"],
-         "nanoserve/accel/csrc/linear.c": ["tests/accel/test_linear.py"],
-         "nanoserve/accel/csrc/attention.c": ["tests/accel/test_paged_attention.py"],
-         "nanoserve/accel/csrc/attention_avx512.c": ["tests/accel/test_paged_attention.py"],
-         "nanoserve/accel/csrc/fused.c": ["tests/accel/test_fused.py"],
-         "nanoserve/accel/csrc/amx.c": ["tests/accel/test_amx.py"],
-         "nanoserve/accel/csrc/dot_fp32.c": ["tests/accel/test_dot_fp32.py"],
-         "nanoserve/accel/csrc/kernels.h": ["tests/accel/test_paged_attention.py"],
-         "nanoserve/accel/__init__.py": ["tests/accel/test_fast_path.py"],
-         "nanoserve/accel/linear.py": ["tests/accel/test_linear.py"],
-         "nanoserve/accel/merged.py": ["tests/accel/test_merged.py"],
-         "nanoserve/accel/csrc/layer.c": ["tests/accel/test_layer.py"],
-         "nanoserve/accel/csrc/attention_prefill.c": ["tests/accel/test_prefill_attention.py"],
-         "nanoserve/accel/paged_attention.py": ["tests/accel/test_prefill_attention.py",
-                                                "tests/accel/test_paged_attention.py"],
-         "nanoserve/accel/layer.py": ["tests/accel/test_layer.py"],
+         AC + "linear.c": [AT + "test_linear.py"],
+         AC + "attention.c": [AT + "test_paged_attention.py"],
+         AC + "attention_avx512.c": [AT + "test_paged_attention.py"],
+         AC + "fused.c": [AT + "test_fused.py"],
+         AC + "amx.c": [AT + "test_amx.py"],
+         AC + "dot_fp32.c": [AT + "test_dot_fp32.py"],
+         AC + "kernels.h": [AT + "test_paged_attention.py"],
+         A + "__init__.py": [AT + "test_fast_path.py"],
+         A + "linear.py": [AT + "test_linear.py"],
+         AC + "layer.c": [AT + "test_layer.py"],
+         AC + "attention_prefill.c": [AT + "test_prefill_attention.py"],
+         A + "paged_attention.py": [AT + "test_prefill_attention.py",
+                                                AT + "test_paged_attention.py"],
+         A + "layer.py": [AT + "test_layer.py"],
          "nanoserve/serve.py": ["tests/server/test_engine_thread.py"]}
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
@@ -70,14 +72,14 @@ BM = "nanoserve/engine/block_manager.py"
 RUNNER = "nanoserve/engine/model_runner.py"
 SAMPLER = "nanoserve/layers/sampler.py"
 QUEUE = "nanoserve/engine/waiting_queue.py"
-GEMM, ATTN = "nanoserve/accel/csrc/linear.c", "nanoserve/accel/csrc/attention.c"
-HEADER, ACCEL = "nanoserve/accel/csrc/kernels.h", "nanoserve/accel/__init__.py"
-DISPATCH, MERGED = "nanoserve/accel/linear.py", "nanoserve/accel/merged.py"
-WIDE, FUSED = "nanoserve/accel/csrc/attention_avx512.c", "nanoserve/accel/csrc/fused.c"
-AMX, DOT32 = "nanoserve/accel/csrc/amx.c", "nanoserve/accel/csrc/dot_fp32.c"
-LAYER_C, LAYER = "nanoserve/accel/csrc/layer.c", "nanoserve/accel/layer.py"
+GEMM, ATTN = "nanoserve_accel/csrc/linear.c", "nanoserve_accel/csrc/attention.c"
+HEADER, ACCEL = "nanoserve_accel/csrc/kernels.h", "nanoserve_accel/__init__.py"
+DISPATCH, MERGED = "nanoserve_accel/linear.py", "nanoserve_accel/merged.py"
+WIDE, FUSED = "nanoserve_accel/csrc/attention_avx512.c", "nanoserve_accel/csrc/fused.c"
+AMX, DOT32 = "nanoserve_accel/csrc/amx.c", "nanoserve_accel/csrc/dot_fp32.c"
+LAYER_C, LAYER = "nanoserve_accel/csrc/layer.c", "nanoserve_accel/layer.py"
 SERVE = "nanoserve/serve.py"
-PREFILL_C, PAGED = "nanoserve/accel/csrc/attention_prefill.c", "nanoserve/accel/paged_attention.py"
+PREFILL_C, PAGED = "nanoserve_accel/csrc/attention_prefill.c", "nanoserve_accel/paged_attention.py"
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ class FakeEngine:
 
     def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, **config: object) -> None:
         # No model here: max_model_len defaults to the old engine default, not a model's.
-        self.config = EngineConfig(**{"max_model_len": 2048, **config})
+        self.config = EngineConfig(**{"max_model_len": 2048, "max_num_seqs": 32,
+                                      "max_num_batched_tokens": 1024, **config})
         self.scheduler = make_scheduler(self.config, num_kv_blocks, block_size)
         self.runner = FakeRunner(num_kv_blocks, block_size)
         self.requests: dict[str, Request] = {}

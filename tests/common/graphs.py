@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.accel.cuda_graph import CUDAGraphRunner
+from nanoserve.engine.cuda_graph import CUDAGraphRunner
 
 
 class ReplayEagerly:

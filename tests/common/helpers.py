@@ -8,7 +8,7 @@ import torch
 from nanoserve.engine.model_runner import ModelInputs, prepare_inputs
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from nanoserve.layers.attention import Attention, select_backend
+from nanoserve.layers.attention import Attention, get_backend
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -16,7 +16,7 @@ def bind_kv_cache(
     model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
 ) -> None:
     """Give every Attention module of `model` its own zeroed paged K and V cache."""
-    backend = select_backend(torch.device("cpu"), torch.float32, "torch")
+    backend = get_backend("torch")
     for attn in (m for m in model.modules() if isinstance(m, Attention)):
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         attn.bind(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), backend)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.request import RequestStatus
+from nanoserve.engine.request import FinishReason, RequestStatus
 from tests.common.fake_engine import FakeEngine, expected_output
 from tests.common.tiny_model import tiny_model_dir
 
@@ -150,7 +150,7 @@ def test_abort_every_state_on_fake_engine(policy):
             refs = [bm.blocks[b].ref_count for b in victim.block_table]
             shared = [b for b, n in zip(victim.block_table, refs) if n > 1]
             free_before = bm.num_free_blocks
-            assert sched.abort(victim.request_id) is victim
+            assert sched.finish_request(victim.request_id, FinishReason.ABORT) is victim
             assert victim.finish_reason.value == "abort" and not victim.block_table
             # Its own blocks come back; shared prefix blocks only lose one reference.
             assert bm.num_free_blocks == free_before + len(refs) - len(shared)
@@ -165,7 +165,7 @@ def test_abort_every_state_on_fake_engine(policy):
         if rid not in aborted:
             assert done[rid].output_token_ids == expected_output(p, 20)
     for rid in prompts:  # everything has left: every abort is now a no-op
-        assert sched.abort(rid) is None
+        assert sched.finish_request(rid, FinishReason.ABORT) is None
 
 
 # -- an exception inside the model forward ----------------------------------------------

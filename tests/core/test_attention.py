@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.layers import torch_attention
-from nanoserve.layers.attention import Attention, select_backend
+from nanoserve.layers.attention import Attention, get_backend
 from tests.common.helpers import make_inputs
 
 HEAD_DIM = 8
@@ -159,7 +159,7 @@ def test_attention_layer_mixed_batch(group):
     k = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen)
     v = torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen)
     attn = Attention(num_kv_heads * group, num_kv_heads, HEAD_DIM, scale=HEAD_DIM**-0.5)
-    attn.bind(k_cache, v_cache, select_backend(torch.device("cpu"), torch.float32))
+    attn.bind(k_cache, v_cache, get_backend("torch"))
     out = attn(q, k, v, meta)
     start = 0
     for table, cached, new in seqs:

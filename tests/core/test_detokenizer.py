@@ -163,7 +163,9 @@ def test_stop_token_id_is_the_stop_reason(llm):
     assert out.finish_reason == "stop" and out.stop_reason == ref.token_ids[k]
 
 
-@pytest.mark.parametrize("kw, field", [({"n": 2}, "n"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
+@pytest.mark.parametrize("kw, field", [({"n": 129}, "n"), ({"n": 0}, "n"),
+                                       ({"logprobs": 21}, "logprobs"),
+                                       ({"logprobs": True}, "logprobs"), ({"stop": [""]}, "stop"),
                                        ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
                                        ({"include_stop_str_in_output": 1},
                                         "include_stop_str_in_output"),

@@ -82,11 +82,11 @@ def check(outputs, prompts, expected):
         assert out.token_ids == expected[tuple(prompt)], f"prompt {prompt[-8:]} differs"
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["plain path", "fast path"])
-def test_default_config(reference, enforce_eager):
+@pytest.mark.parametrize("fast_paths", [False, True], ids=["plain path", "fast path"])
+def test_default_config(reference, fast_paths):
     # HF identity is an fp32 promise ("auto" may pick bf16), on the reader's plain path (the
-    # decoder as written) and on the default one (nanoserve/accel/ swapped in).
-    llm = LLM(dtype="float32", enforce_eager=enforce_eager)
+    # decoder as written) and on the default one (nanoserve_accel/ swapped in).
+    llm = LLM(dtype="float32", enable_fast_paths=fast_paths)
     # The long-system prompts span two of the default 128-token blocks on a CPU.
     prompts = reference["prompts"] + reference["shared"]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

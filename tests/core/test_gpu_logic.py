@@ -5,6 +5,7 @@ tests/accel/test_cuda_graphs.py.)"""
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import logging
 import sys
 import types
@@ -12,9 +13,16 @@ import types
 import pytest
 import torch
 
-from nanoserve.config import resolve_block_size
-from nanoserve.layers import attention
-from nanoserve.layers.attention import select_backend
+from nanoserve import config
+from nanoserve.config import (
+    EngineConfig,
+    batch_defaults,
+    flash_attn_missing,
+    resolve_attention_backend,
+    resolve_block_size,
+    resolve_config,
+)
+from nanoserve.layers.attention import get_backend
 
 CPU, CUDA, BF16, FP32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
 
@@ -26,49 +34,101 @@ def fake_flash_attn(monkeypatch):
     module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
     module.flash_attn_varlen_func = module.flash_attn_with_kvcache = lambda *a, **kw: None
     monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr(attention, "_fallbacks_logged", set())  # "once" starts afresh
-    return module
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: module.__spec__
+                        if name == "flash_attn" else find_spec(name, *a))
+    return lambda cc: monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc)
+
+
+find_spec = importlib.util.find_spec
 
 
 def test_cpu_selects_the_torch_twins():
-    assert select_backend(CPU, FP32, "auto").name == "torch"
-    assert select_backend(CPU, FP32, "torch").name == "torch"
+    assert resolve_attention_backend("auto", CPU, FP32) == "torch"
+    assert resolve_attention_backend("torch", CPU, FP32) == "torch"
+    assert get_backend("torch").name == "torch"
 
 
 def test_forcing_flash_attn_without_it_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_backend='flash-attn' cannot be used"):
-        select_backend(CPU, BF16, "flash-attn")
+        resolve_attention_backend("flash-attn", CPU, BF16)
 
 
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="attention_backend"):
-        select_backend(CPU, FP32, "xformers")
+        EngineConfig(attention_backend="xformers")
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_auto_picks_flash_attn_on_ampere_or_newer_in_half_precision(fake_flash_attn, dtype):
     for cc in ((8, 0), (9, 0)):
-        assert select_backend(CUDA, dtype, "auto", compute_capability=cc).name == "flash-attn"
-    assert select_backend(CUDA, dtype, "torch", compute_capability=(9, 0)).name == "torch"
+        fake_flash_attn(cc)
+        assert resolve_attention_backend("auto", CUDA, dtype) == "flash-attn"
+        assert get_backend("flash-attn").name == "flash-attn"
+    assert resolve_attention_backend("torch", CUDA, dtype) == "torch"
 
 
 @pytest.mark.parametrize(("dtype", "cc", "why"), [(FP32, (9, 0), "float32"),
                                                   (BF16, (7, 5), "compute capability")])
-def test_auto_falls_back_to_torch_for_fp32_or_old_gpus_and_says_why_once(
+def test_auto_falls_back_to_torch_for_fp32_or_old_gpus_and_says_why(
         fake_flash_attn, caplog, dtype, cc, why):
+    fake_flash_attn(cc)
     with caplog.at_level(logging.WARNING, logger="nanoserve"):
-        for _ in range(3):
-            assert select_backend(CUDA, dtype, "auto", compute_capability=cc).name == "torch"
-    notes = [r.getMessage() for r in caplog.records if why in r.getMessage()]
-    assert len(notes) == 1, caplog.text
+        assert resolve_attention_backend("auto", CUDA, dtype) == "torch"
+    assert [r for r in caplog.records if why in r.getMessage()], caplog.text
+
+
+def test_a_flash_attn_that_does_not_import_is_said(monkeypatch, caplog):
+    """Installed against another torch: the engine says so, and why, instead of a silent twin."""
+    spec = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec
+                        if name == "flash_attn" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        assert resolve_attention_backend("auto", CPU, BF16) == "torch"
+    assert "installed but does not import" in caplog.text
+    assert "does not import" in flash_attn_missing(CUDA, BF16)
 
 
 @pytest.mark.parametrize(("dtype", "cc", "why"), [(FP32, (9, 0), "float16 or bfloat16"),
                                                   (BF16, (7, 5), "8.0")])
 def test_forcing_flash_attn_with_fp32_or_an_old_gpu_is_a_clear_error(fake_flash_attn, dtype,
                                                                       cc, why):
+    fake_flash_attn(cc)
     with pytest.raises(ValueError, match=why):
-        select_backend(CUDA, dtype, "flash-attn", compute_capability=cc)
+        resolve_attention_backend("flash-attn", CUDA, dtype)
+
+
+@pytest.mark.parametrize(("name", "gib", "llm", "server"), [
+    ("NVIDIA H200", 141, (1024, 16384), (1024, 8192)),
+    ("NVIDIA H100 80GB HBM3", 79.6, (1024, 16384), (1024, 8192)),
+    ("NVIDIA A100-SXM4-80GB", 80, (256, 8192), (256, 2048)),
+    ("NVIDIA B200", 180, (1024, 16384), (1024, 16384)),
+    ("NVIDIA L4", 22, (256, 8192), (256, 2048))])
+def test_batch_defaults_on_a_gpu_are_vllms(monkeypatch, name, gib, llm, server):
+    """vLLM 0.32's EngineArgs.get_batch_defaults: by memory, an A100 counting as small."""
+    monkeypatch.setattr(config, "gpu_of", lambda device: (name, gib))
+    assert batch_defaults("cuda", "llm") == llm
+    assert batch_defaults("cuda:1", "server") == server
+    hf = types.SimpleNamespace(max_position_embeddings=4096)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config, "resolve_attention_backend", lambda *a: "torch")
+    for usage, expected in (("llm", llm), ("server", server)):
+        resolved = resolve_config(EngineConfig(usage_context=usage), hf)
+        assert (resolved.max_num_seqs, resolved.max_num_batched_tokens) == expected
+        assert resolved.device == "cuda" and resolved.torch_compile
+    mine = resolve_config(EngineConfig(max_num_seqs=3, max_num_batched_tokens=77), hf)
+    assert (mine.max_num_seqs, mine.max_num_batched_tokens) == (3, 77)
+    assert not resolve_config(EngineConfig(enforce_eager=True), hf).torch_compile
+
+
+def test_batch_defaults_on_a_cpu_and_without_chunked_prefill():
+    hf = types.SimpleNamespace(max_position_embeddings=4096)
+    resolved = resolve_config(EngineConfig(device="cpu"), hf)
+    assert (resolved.max_num_seqs, resolved.max_num_batched_tokens) == config.CPU_DEFAULTS["llm"]
+    assert not resolved.torch_compile
+    whole = resolve_config(EngineConfig(device="cpu", enable_chunked_prefill=False), hf)
+    assert whole.max_num_batched_tokens == 4096  # a whole prompt fits one step
+
 
 
 def test_forced_flash_attn_with_fp32_fails_before_weights_load(fake_flash_attn, monkeypatch):

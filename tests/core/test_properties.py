@@ -150,7 +150,8 @@ def run_workload(w: dict) -> FakeEngine:
                 eng.add(f"r{i}", r["prompt"], r["max_tokens"], r["priority"],
                         arrival_time=float(step * 100 + i))
         for at, i in w["aborts"]:
-            got = sched.abort(f"r{i}") if at == step and f"r{i}" in eng.requests else None
+            got = None if at != step or f"r{i}" not in eng.requests else \
+                sched.finish_request(f"r{i}", FinishReason.ABORT)
             if got is None:
                 continue
             assert not got.block_table and got.request_id not in finished

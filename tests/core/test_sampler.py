@@ -1,7 +1,7 @@
 """§4 ("one forward step"): the Sampler on distributions whose answer is known.
 
 Every knob is checked against a number worked out by hand, through the public call (the
-tokens drawn) and, where the draw would hide it, through `Sampler._filtered_probs`:
+tokens drawn) and, where the draw would hide it, through `filtered_probs`:
 - top_p keeps the smallest prefix of the sorted distribution whose mass reaches top_p: the
   token that crosses the mass is kept, every token after it is dropped; equal
   probabilities at the boundary are cut the same way (a prefix, not "all the ties");
@@ -21,8 +21,9 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, SamplingMetadata, filtered_probs
 from nanoserve.sampling_params import SamplingParams
 
 # Sorted descending on purpose only in P; the logits below are shuffled so that the
@@ -44,16 +45,16 @@ LOGITS = logits_of(dict(zip(TOKENS, P)))
 
 def kept(params: SamplingParams, logits: torch.Tensor = LOGITS) -> dict[int, float]:
     """Token id -> filtered (unnormalised) probability, for the tokens that survive."""
-    probs, order = Sampler._filtered_probs(logits.unsqueeze(0).float(), [params])
-    return {int(order[0, i]): float(probs[0, i]) for i in range(probs.shape[1])
-            if probs[0, i] > 0}
+    meta = SamplingMetadata.build([params], [None], logits.shape[-1], logits.device)
+    probs = filtered_probs(logits.unsqueeze(0).float(), meta)[0]
+    return {i: float(probs[i]) for i in range(probs.shape[0]) if probs[i] > 0}
 
 
 def draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS,
          seed: int = 0) -> Counter[int]:
     """n draws in one call (n rows of the same logits), from one seeded sampler."""
     sampler = Sampler(seed)
-    tokens = sampler(logits.unsqueeze(0).repeat(n, 1), [params] * n, [None] * n)
+    tokens, _ = sampler(logits.unsqueeze(0).repeat(n, 1), [params] * n, [None] * n)
     return Counter(tokens)
 
 
@@ -159,7 +160,7 @@ def test_temperature_applies_before_top_p():
 def test_greedy_is_the_argmax_whatever_the_other_knobs():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.0, top_p=0.1, top_k=3)] * 6
-    assert Sampler()(logits, params, [None] * 6) == logits.argmax(dim=-1).tolist()
+    assert Sampler()(logits, params, [None] * 6)[0] == logits.argmax(dim=-1).tolist()
 
 
 def test_mixed_batch_maps_each_row_to_its_own_tokens():
@@ -169,7 +170,7 @@ def test_mixed_batch_maps_each_row_to_its_own_tokens():
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1),
               SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=3.0),
               SamplingParams(top_p=1e-6)]
-    assert Sampler()(logits, params, [None] * 5) == logits.argmax(dim=-1).tolist()
+    assert Sampler()(logits, params, [None] * 5)[0] == logits.argmax(dim=-1).tolist()
 
 
 def seeded_draws(seed: int, engine_seed: int, neighbours: int) -> list[int]:
@@ -178,7 +179,7 @@ def seeded_draws(seed: int, engine_seed: int, neighbours: int) -> list[int]:
     params = [SamplingParams(seed=seed)] * (1 + neighbours)
     gen = torch.Generator().manual_seed(seed)
     sampler = Sampler(engine_seed)
-    return [sampler(logits, params, [gen] + [None] * neighbours)[0] for _ in range(8)]
+    return [sampler(logits, params, [gen] + [None] * neighbours)[0][0] for _ in range(8)]
 
 
 def test_seeded_draws_are_reproducible_and_independent_of_the_batch():
@@ -197,7 +198,7 @@ def test_a_seeded_row_draws_from_its_own_generator_after_a_greedy_row():
     logits = torch.zeros(3, 64)  # uniform over 64 tokens: every draw matters
     params = [SamplingParams(temperature=0.0), SamplingParams(seed=7), SamplingParams(seed=8)]
     gens = [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    batched = [Sampler(0)(logits, params, gens)[1:] for _ in range(8)]
+    batched = [Sampler(0)(logits, params, gens)[0][1:] for _ in range(8)]
     alone = {s: seeded_draws(seed=s, engine_seed=0, neighbours=0) for s in (7, 8)}
     assert [t for t, _ in batched] == alone[7]
     assert [t for _, t in batched] == alone[8]
@@ -206,5 +207,72 @@ def test_a_seeded_row_draws_from_its_own_generator_after_a_greedy_row():
 def test_unseeded_draws_follow_the_engine_seed():
     logits = torch.zeros(16, 64)
     params = [SamplingParams()] * 16
-    assert Sampler(5)(logits, params, [None] * 16) == Sampler(5)(logits, params, [None] * 16)
-    assert Sampler(5)(logits, params, [None] * 16) != Sampler(6)(logits, params, [None] * 16)
+    def tokens(engine_seed: int) -> list:
+        return Sampler(engine_seed)(logits, params, [None] * 16)[0]
+
+    assert tokens(5) == tokens(5)
+    assert tokens(5) != tokens(6)
+
+
+# -- on the device: one draw, one small readback ----------------------------------------
+
+
+class HostReads(TorchFunctionMode):
+    """Records every read to the host (tolist, item, cpu, numpy, a .to() onto the CPU) and
+    every random draw a sampler makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads, self.draws = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("tolist", "item", "cpu", "numpy") or (
+                name == "to" and "cpu" in map(str, [*args[1:], *kwargs.values()])):
+            self.reads.append((name, tuple(args[0].shape)))
+        if name in ("exponential_", "multinomial", "rand", "rand_like", "uniform_"):
+            self.draws.append((name, tuple(args[0].shape) if args else None))
+        return func(*args, **kwargs)
+
+
+def test_a_sampled_step_reads_back_only_the_tokens_and_draws_once():
+    """16 rows at temperature 0.8, top-k 50, top-p 0.9 (two of them seeded): no [rows, vocab]
+    tensor goes to the host, only the 16 tokens; one exponential draw for the batch, and one
+    of its own row for each seeded request."""
+    vocab, rows = 1000, 16
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=s)
+              for s in [None] * 14 + [1, 2]]
+    gens = [None] * 14 + [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    sampler = Sampler(0)
+    with HostReads() as seen:
+        tokens, logprobs = sampler(logits, params, gens)
+    assert seen.reads == [("tolist", (rows,))]
+    assert seen.draws == [("exponential_", (rows, vocab))] + [("exponential_", (vocab,))] * 2
+    assert len(tokens) == rows and all(isinstance(t, int) for t in tokens)
+    assert logprobs == [None] * rows
+    # top-k 50: every token is among its row's 50 most likely.
+    top50 = logits.topk(50).indices
+    assert all(t in top50[i] for i, t in enumerate(tokens))
+
+
+def test_seeded_rows_draw_the_same_whatever_the_batch():
+    """A seeded row with top-k / top-p draws the same tokens alone and among neighbours with
+    other logits and other knobs, greedy and sampled, seeded and not."""
+    vocab = 300
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 2
+    mine = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=21)
+
+    def draws(neighbours: int) -> list[int]:
+        g = torch.Generator().manual_seed(21)
+        others = torch.randn(neighbours, vocab, generator=torch.Generator().manual_seed(3))
+        logits = torch.cat([others[:neighbours // 2], row[None], others[neighbours // 2:]])
+        params = [SamplingParams(temperature=t) for t in (0.0, 1.3, 0.5, 0.0)[:neighbours]]
+        params.insert(neighbours // 2, mine)
+        gens = [None] * (neighbours + 1)
+        gens[neighbours // 2] = g
+        sampler = Sampler(neighbours)
+        return [sampler(logits, params, gens)[0][neighbours // 2] for _ in range(12)]
+
+    assert draws(0) == draws(1) == draws(4)

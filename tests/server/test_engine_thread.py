@@ -1,6 +1,7 @@
-"""The server's engine thread (nanoserve/serve.py) builds the LLM itself, so that only it ever
-starts an OpenMP team, and serves requests handed over from the event loop; a build that fails
-(a bad flag) reaches main() as its error. In process, no HTTP; every wait is bounded."""
+"""The server's engine thread (nanoserve/entrypoints/engine_thread.py) builds the LLM itself, so
+that only it ever starts an OpenMP team, and serves requests handed over from the event loop; a
+build that fails (a bad flag) reaches main() as its error. In process, no HTTP; every wait is
+bounded."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import threading
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.serve import Collector, EngineThread
+from nanoserve.entrypoints.engine_thread import Collector, EngineThread
 from tests.common.tiny_model import tiny_model_dir
 
 
@@ -39,9 +40,9 @@ def test_the_llm_is_built_and_stepped_on_the_engine_thread():
         assert await asyncio.wait_for(collector.accepted, 30) is None  # no error
         ids: list[int] = []
         for _ in range(10):  # deltas or one final output: bounded either way
-            _, new, last = await asyncio.wait_for(collector.get(), 30)
-            ids += new
-            if last.finished:
+            outputs = await asyncio.wait_for(collector.get(), 30)
+            ids += [t for out in outputs for t in out.token_ids]
+            if outputs[-1].finished:
                 return ids
         raise AssertionError("the request did not finish")
 

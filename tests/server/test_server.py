@@ -1,6 +1,6 @@
-"""The OpenAI-compatible server (nanoserve/serve.py), end to end: a real `python -m nanoserve.serve`
-process on 127.0.0.1 (ephemeral port), the real `openai` client and raw httpx. Every wait is
-bounded in count and time; speed is never asserted.
+"""The OpenAI-compatible server (nanoserve/entrypoints/), end to end: a real
+`python -m nanoserve.serve` process on 127.0.0.1 (ephemeral port), the real `openai` client and
+raw httpx. Every wait is bounded in count and time; speed is never asserted.
 
 - Greedy completions and chat equal `LLM.generate`'s (same model, in this process); streamed
   text joined equals the non-streamed text; usage counts; /v1/models, /health, /metrics parse.
@@ -188,9 +188,9 @@ BAD = [  # (change to GOOD, status, param)
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),  # + 3 prompt tokens > max_model_len
     ({"model": "gpt-17"}, 404, "model"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
     ({"top_p": 0}, 400, "top_p"),
-    ({"logprobs": 1}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
     ({"prompt": [5, -1]}, 400, "prompt"),
     ({"prompt": [5, VOCAB_SIZE]}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),

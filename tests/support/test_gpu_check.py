@@ -62,7 +62,7 @@ def cpu_graphs(monkeypatch, request):
     """An LLM on CPU with a CUDAGraphRunner whose 'graphs' recompute eagerly (see
     test_gpu_logic.capture_stand_in): the plumbing around capture is real."""
     from nanoserve import LLM
-    from nanoserve.accel.cuda_graph import CUDAGraphRunner
+    from nanoserve.engine.cuda_graph import CUDAGraphRunner
     from tests.common.graphs import capture_stand_in
     from tests.common.tiny_model import tiny_model_dir
 

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.accel.cuda_graph import CUDAGraphRunner
+from nanoserve.engine.cuda_graph import CUDAGraphRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear
-from nanoserve.accel.kernels import compile_kernels, has_amx, has_dot_fp32, has_dpbf16
-from nanoserve.accel.linear import (
+from nanoserve.utils import cpu
+from nanoserve_accel.amx_linear import AMX_MAX_ROWS, AmxLinear
+from nanoserve_accel.kernels import compile_kernels, has_amx, has_dot_fp32, has_dpbf16
+from nanoserve_accel.linear import (
     DOT_FP32_BELOW_ROWS,
     DPBF16_BELOW_ROWS,
     DotFp32Linear,
@@ -34,7 +35,6 @@ from nanoserve.accel.linear import (
     linear_kind,
     onednn_from_rows,
 )
-from nanoserve.utils import cpu
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx": "AMX GEMM",

@@ -11,18 +11,19 @@ import itertools
 import pytest
 import torch
 
-from nanoserve import LLM, SamplingParams, accel
-from nanoserve.accel import kernels, paged_attention
+import nanoserve_accel as accel
+from nanoserve import LLM, SamplingParams
 from nanoserve.layers import torch_attention
-from nanoserve.layers.attention import select_backend
+from nanoserve.layers.attention import get_backend
 from nanoserve.utils import cpu
-from tests.accel.test_paged_attention import poisoned_case
+from nanoserve_accel import kernels, paged_attention
+from nanoserve_accel.tests.test_paged_attention import poisoned_case
 from tests.common.tiny_model import tiny_model_dir
 
 KERNEL = kernels.compile_kernels()
 pytestmark = pytest.mark.skipif(not kernels.has_paged_prefill(KERNEL),
                                 reason="the library was not built for AVX512-BF16 here")
-TWIN = select_backend(torch.device("cpu"), torch.bfloat16, "torch")
+TWIN = get_backend("torch")
 
 
 @pytest.fixture(params=["amx", "avx512_bf16"])

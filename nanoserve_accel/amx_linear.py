@@ -12,7 +12,7 @@ import ctypes
 import torch
 from torch import nn
 
-from nanoserve.accel import kernels
+from nanoserve_accel import kernels
 
 # Up to this many rows (csrc/amx.c's pass: each weight tile read once, serving every row) the AMX
 # GEMM measured faster than oneDNN, clearly to 32 rows, a little at 48-64; each further pass reads

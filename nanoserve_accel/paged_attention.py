@@ -15,10 +15,10 @@ import dataclasses
 
 import torch
 
-from nanoserve.accel import kernels
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
 from nanoserve.utils import cpu
+from nanoserve_accel import kernels
 
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
 

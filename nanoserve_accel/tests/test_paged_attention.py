@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.accel import kernels, paged_attention
 from nanoserve.layers import torch_attention
-from nanoserve.layers.attention import select_backend
+from nanoserve.layers.attention import get_backend
+from nanoserve_accel import kernels, paged_attention
 from tests.common.tiny_model import tiny_model_dir
 from tests.core.test_attention import PagedCase
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here")
 
 
 def decode_fn():
-    backend = select_backend(torch.device("cpu"), torch.float32, "torch")
+    backend = get_backend("torch")
     return paged_attention.with_decode_kernel(backend, KERNEL).with_kvcache
 
 
@@ -128,7 +128,7 @@ def test_a_bad_length_is_named_and_unread_padding_may_hold_anything(bad_request)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_write_is_the_twins_and_refuses_slots_outside_the_cache(dtype):
-    backend = select_backend(torch.device("cpu"), dtype, "torch")
+    backend = get_backend("torch")
     fast = paged_attention.with_decode_kernel(backend, KERNEL).store_kvcache
     torch.manual_seed(0)
     key, value = torch.randn(2, 5, 3, 8).to(dtype)
@@ -179,7 +179,7 @@ def test_optimized_engine_uses_the_kernel_and_decodes_like_the_eager_one():
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(tiny_model_dir(), dtype="float32", enforce_eager=eager, num_kv_blocks=64,
+        llm = LLM(tiny_model_dir(), dtype="float32", enable_fast_paths=not eager, num_kv_blocks=64,
                   block_size=16, skip_tokenizer_init=True)  # several blocks per request
         assert llm.model_runner.backend.name == ("torch" if eager else "torch+cpu-decode")
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

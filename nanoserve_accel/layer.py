@@ -4,7 +4,7 @@ paying Python's dispatch, ctypes' argument conversion and an output allocation: 
 overhead was about a tenth of the step. The C calls the same kernels in the same order, so it
 computes the same values. It runs only where it can (every row decodes one token, and each of
 the layer's linears takes a C GEMM at that row count); otherwise the modules run as before.
-Swapped in by class, after merge_projections, replace_linears and fuse_elementwise."""
+It replaces each DecoderLayer, after replace_linears and fuse_elementwise."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import ctypes
 import torch
 from torch import nn
 
-from nanoserve.accel.amx_linear import AMX_MAX_ROWS, AmxLinear
-from nanoserve.accel.fused import FusedAttention, FusedMLP, FusedRMSNorm
-from nanoserve.accel.linear import DotFp32Linear, DotLinear, Dpbf16Linear, PackedLinear
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.decoder import DecoderLayer
+from nanoserve_accel.amx_linear import AMX_MAX_ROWS, AmxLinear
+from nanoserve_accel.fused import FusedAttention, FusedRMSNorm, FusedSiluAndMul
+from nanoserve_accel.linear import DotFp32Linear, DotLinear, Dpbf16Linear, PackedLinear
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 GEMM_KINDS = {DotFp32Linear: 1, Dpbf16Linear: 2}  # csrc/layer.c's enum: packed 0, AMX 3
@@ -52,15 +52,20 @@ def gemm_args(linear: nn.Module) -> tuple[Gemm, int] | None:
     return None
 
 
-class FusedDecoderLayer(DecoderLayer):
-    lib: ctypes.CDLL
-    args: LayerArgs
-    dtype: torch.dtype
-    max_rows: int  # the most decode rows all four GEMMs take in C
+class FusedDecoderLayer(nn.Module):
+    """DecoderLayer.forward as one C call where it can; `plain` (the decoder's layer, with its
+    fused modules) everywhere else."""
+
+    def __init__(self, plain: DecoderLayer, lib: ctypes.CDLL, args: LayerArgs,
+                 dtype: torch.dtype, max_rows: int) -> None:
+        super().__init__()
+        self.plain, self.lib, self.args, self.dtype = plain, lib, args, dtype
+        self.max_rows = max_rows  # the most decode rows all four GEMMs take in C
+        self.attn = plain.self_attn.plain.attn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n, cache = x.shape[0], self.self_attn.attn.k_cache
+        n, cache = x.shape[0], self.attn.k_cache
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         if (meta.num_decode_tokens != n or n > self.max_rows  # prefill rows: the modules
                 or x.dtype != self.dtype or cache.dtype != self.dtype or cos.dtype != x.dtype
@@ -68,9 +73,9 @@ class FusedDecoderLayer(DecoderLayer):
                 or slots.dtype != torch.int64 or tables.shape[0] != n or lens.shape != (n,)
                 or slots.shape != (n,) or cache.dim() != 4
                 or not all(t.is_contiguous() for t in (x, cos, sin, tables, lens, slots))):
-            return super().forward(x, cos, sin, meta)
+            return self.plain(x, cos, sin, meta)
         args, out = self.args, torch.empty_like(x)
-        args.k_cache, args.v_cache = cache.data_ptr(), self.self_attn.attn.v_cache.data_ptr()
+        args.k_cache, args.v_cache = cache.data_ptr(), self.attn.v_cache.data_ptr()
         args.num_blocks, args.block_size = cache.shape[0], cache.shape[1]
         bad = self.lib.decode_layer(ctypes.addressof(args), x.data_ptr(), out.data_ptr(),
                                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -78,7 +83,7 @@ class FusedDecoderLayer(DecoderLayer):
         if bad == -2:
             raise RuntimeError("decode_layer: a GEMM kind the kernel library was not built with")
         if bad >= 0:  # a slot, a length or a block id the kernels refused: the modules' checks
-            return super().forward(x, cos, sin, meta)  # name it (they raise ValueError)
+            return self.plain(x, cos, sin, meta)  # name it (they raise ValueError)
         return out
 
 
@@ -87,10 +92,11 @@ def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None
     not the fused kind the C composes (Qwen3's head norms, a linear without a C GEMM...)."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (type(attn) is not FusedAttention or type(mlp) is not FusedMLP or attn.qk_norm
-            or not all(type(norm) is FusedRMSNorm for norm in norms)
-            or norms[0].eps != norms[1].eps or attn.head_dim % 8):
+    if (type(attn) is not FusedAttention or type(mlp.act_fn) is not FusedSiluAndMul
+            or attn.plain.qk_norm or not all(type(norm) is FusedRMSNorm for norm in norms)
+            or norms[0].eps != norms[1].eps or attn.plain.head_dim % 8):
         return None
+    attn = attn.plain
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     gemms = [gemm_args(lin) for lin in linears]
     dtype = norms[0].weight.dtype
@@ -106,9 +112,9 @@ def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None
 
 
 def fuse_layers(model: nn.Module, lib: ctypes.CDLL) -> None:
-    """Each DecoderLayer of `model` whose parts the C composes becomes a FusedDecoderLayer, in
-    place (after fuse_elementwise, with the C decode attention bound)."""
-    for module in model.modules():
-        if type(module) is DecoderLayer and (found := layer_args(module)) is not None:
-            module.__class__, module.lib = FusedDecoderLayer, lib
-            module.args, module.dtype, module.max_rows = found
+    """Each DecoderLayer of `model` whose parts the C composes becomes a FusedDecoderLayer
+    (after fuse_elementwise, with the C decode attention as the backend)."""
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if type(layer) is DecoderLayer and (found := layer_args(layer)) is not None:
+            layers[i] = FusedDecoderLayer(layer, lib, *found)

@@ -9,14 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from nanoserve.accel import kernels
-from nanoserve.accel.fused import fuse_elementwise
-from nanoserve.accel.layer import FusedDecoderLayer, fuse_layers
-from nanoserve.accel.linear import replace_linears
-from nanoserve.accel.merged import merge_projections
-from nanoserve.accel.paged_attention import with_decode_kernel
-from nanoserve.layers.attention import Attention, select_backend
+from nanoserve.layers.attention import Attention, get_backend
 from nanoserve.models import decoder
+from nanoserve_accel import kernels
+from nanoserve_accel.fused import fuse_elementwise
+from nanoserve_accel.layer import FusedDecoderLayer, fuse_layers
+from nanoserve_accel.linear import replace_linears
+from nanoserve_accel.paged_attention import with_decode_kernel
 from tests.common.helpers import make_inputs
 
 LIB = kernels.compile_kernels()
@@ -51,10 +50,9 @@ def fast_model(config, dtype: torch.dtype, layers: bool) -> decoder.DecoderForCa
         for norm in (m for m in model.modules() if isinstance(m, decoder.RMSNorm)):
             norm.weight.uniform_(0.5, 1.5)
     model.to(dtype)
-    merge_projections(model)
     replace_linears(model, LIB)
     fuse_elementwise(model, LIB)
-    backend = with_decode_kernel(select_backend(torch.device("cpu"), dtype, "torch"), LIB)
+    backend = with_decode_kernel(get_backend("torch"), LIB)
     for attn in (m for m in model.modules() if isinstance(m, Attention)):
         shape = (NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
         attn.bind(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), backend)
@@ -102,9 +100,9 @@ def test_one_call_per_layer_computes_what_the_modules_do(config, dtype, cpu_kind
         expected, got = forward(modules, step), forward(layers, step)
         assert torch.equal(got, expected)
         assert counting.calls - calls == (len(fused) if c_layer else 0)
-    for a, b in zip(modules.modules(), layers.modules()):  # the caches too
-        if isinstance(a, Attention):
-            assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+    for a, b in zip(*([m for m in model.modules() if isinstance(m, Attention)]
+                      for model in (modules, layers))):  # the caches too
+        assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -146,7 +144,7 @@ def test_the_input_rows_are_not_written():
     layer = next(m for m in model.modules() if isinstance(m, FusedDecoderLayer))
     x = torch.randn(1, SMALL["hidden_size"])
     before = x.clone()
-    cos, sin = model.model.rotary_emb(inputs.positions, x.dtype)
+    cos, sin = model.model.rotary_emb.cos_sin(inputs.positions, x.dtype)
     with torch.inference_mode():
         out = layer(x, cos, sin, inputs.attn_metadata)
     assert torch.equal(x, before) and not torch.equal(out, x)

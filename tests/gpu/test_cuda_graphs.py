@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.accel import cuda_graph
-from nanoserve.accel.cuda_graph import (
+from nanoserve.engine import cuda_graph
+from nanoserve.engine.cuda_graph import (
     CUDAGraphRunner,
     graph_batch_sizes,
     pad_decode_inputs,

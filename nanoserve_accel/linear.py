@@ -24,9 +24,10 @@ import ctypes
 import torch
 from torch import nn
 
-from nanoserve.accel import kernels
-from nanoserve.accel.amx_linear import AmxLinear, amx_fits
+from nanoserve.layers.linear import RowParallelLinear
 from nanoserve.utils import cpu
+from nanoserve_accel import kernels
+from nanoserve_accel.amx_linear import AmxLinear, amx_fits
 
 ONEDNN_FROM_ROWS = 64
 # Below this the dpbf16 GEMM measured faster than oneDNN (clearly at 1-4 rows, where it streams
@@ -39,6 +40,14 @@ DPBF16_BELOW_ROWS = 8
 # one C call per layer (layer.py), measured faster than oneDNN's modules up to 96 rows and level
 # at 128 (whole steps, scripts/bench/step_times.py), so oneDNN takes over from 96.
 DOT_FP32_BELOW_ROWS = 96
+
+
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN runs this dtype's GEMMs here: bf16 needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT (what the machine has, whatever the CPU probe is faked as)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False,
@@ -55,8 +64,13 @@ def linear_kind(dtype: torch.dtype, c_gemm_fits: bool, dpbf16: bool = False,
     if dtype == torch.bfloat16 and cpu.has_native_bf16():
         if amx and "amx_bf16" in cpu.cpu_flags():
             return "amx"
-        return "dpbf16" if dpbf16 and "avx512_bf16" in cpu.cpu_flags() else "onednn"
-    return "c" if c_gemm_fits else "onednn"  # else: no C kernels here, or a shape they do not take
+        if dpbf16 and "avx512_bf16" in cpu.cpu_flags():
+            return "dpbf16"
+        if onednn_takes(dtype):
+            return "onednn"
+    if c_gemm_fits:
+        return "c"
+    return "onednn" if onednn_takes(dtype) else "plain"  # no C kernels, or a shape they refuse
 
 
 class OneDNNLinear(nn.Module):
@@ -72,7 +86,7 @@ class OneDNNLinear(nn.Module):
 
 def onednn_from_rows(dtype: torch.dtype) -> int | None:
     """From how many rows a PackedLinear hands over to oneDNN (None: never)."""
-    wide = "avx512f" in cpu.cpu_flags() and torch.backends.mkldnn.is_available()
+    wide = "avx512f" in cpu.cpu_flags() and onednn_takes(dtype)
     return ONEDNN_FROM_ROWS if dtype == torch.float32 and wide else None
 
 
@@ -108,7 +122,7 @@ class DotLinear(nn.Module):
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.onednn = OneDNNLinear(linear) if torch.backends.mkldnn.is_available() else None
+        self.onednn = OneDNNLinear(linear) if onednn_takes(linear.weight.dtype) else None
         self.plain = linear.weight.detach().contiguous()  # the parameter itself, unless strided
         self.n, self.k = self.plain.shape
         self.gemm, self.weight_ptr = getattr(lib, self.kernel), self.plain.data_ptr()  # once
@@ -140,13 +154,15 @@ def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:
     dot_fp32 = kernels.has_dot_fp32(lib)
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if not isinstance(child, nn.Linear) or child.weight.device.type != "cpu":
+            if (not isinstance(child, nn.Linear) or child.weight.device.type != "cpu"
+                    or getattr(child, "tp_size", 1) > 1 and hasattr(child, "tp_rank")
+                    and isinstance(child, RowParallelLinear)):  # keep its all-reduce
                 continue
             fits = lib is not None and child.out_features % 16 == 0
             kind = linear_kind(child.weight.dtype, fits, dpbf16, amx and amx_fits(child),
                                dot_fp32=dot_fp32)
             if kind == "amx":
-                onednn = OneDNNLinear(child) if torch.backends.mkldnn.is_available() else None
+                onednn = OneDNNLinear(child) if onednn_takes(child.weight.dtype) else None
                 setattr(module, name, AmxLinear(child, lib, onednn))
             elif kind == "dot_fp32":
                 setattr(module, name, DotFp32Linear(child, lib))
@@ -154,5 +170,5 @@ def replace_linears(model: nn.Module, lib: ctypes.CDLL | None) -> None:
                 setattr(module, name, Dpbf16Linear(child, lib))
             elif kind == "c":
                 setattr(module, name, PackedLinear(child, lib))
-            elif kind == "onednn" and torch.backends.mkldnn.is_available():
+            elif kind == "onednn":
                 setattr(module, name, OneDNNLinear(child))

@@ -10,10 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from nanoserve.accel import kernels
-from nanoserve.accel.fused import FusedAttention, FusedMLP, FusedRMSNorm, fuse_elementwise
-from nanoserve.accel.merged import MergedAttention, MergedMLP, merge_projections
 from nanoserve.models import decoder
+from nanoserve_accel import kernels
+from nanoserve_accel.fused import (
+    FusedAttention,
+    FusedRMSNorm,
+    FusedSiluAndMul,
+    fuse_elementwise,
+)
 from tests.common.helpers import bind_kv_cache, run_step
 
 LIB = kernels.compile_kernels()
@@ -33,10 +37,6 @@ def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def fused(module, cls):
-    module = copy.deepcopy(module)
-    module.__class__, module.lib = cls, LIB
-    return module
 
 
 @DTYPES
@@ -47,32 +47,35 @@ def test_rms_norm(rows, dim, dtype):
     norm.weight.data.uniform_(0.5, 2.0)
     norm, x = norm.to(dtype), (torch.randn(rows, dim) * 3).to(dtype)
     with torch.inference_mode():
-        assert_same(fused(norm, FusedRMSNorm)(x), norm(x))
+        assert_same(FusedRMSNorm(norm, LIB)(x), norm(x))
         strided = x.T.contiguous().T  # not contiguous: torch's ops
-        assert_same(fused(norm, FusedRMSNorm)(strided), norm(strided))
+        assert_same(FusedRMSNorm(norm, LIB)(strided), norm(strided))
 
 
-def attention_module(heads: int, kv_heads: int, head_dim: int, dtype) -> MergedAttention:
+def attention_module(heads: int, kv_heads: int, head_dim: int, dtype) -> decoder.DecoderAttention:
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim)
-    module = decoder.DecoderAttention(config)
-    module.__class__ = MergedAttention
-    module.qkv_sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    return module.to(dtype)
+                         num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=512)
+    rope = decoder.RotaryEmbedding(head_dim, max_positions=512, base=10000.0)
+    return decoder.DecoderAttention(config, rope).to(dtype)
 
 
 @DTYPES
 @pytest.mark.parametrize(("n", "heads", "kv_heads", "head_dim"),
                          [(1, 2, 1, 8), (5, 3, 3, 6), (64, 9, 3, 64)])
 def test_qkv_split_with_rope(n, heads, kv_heads, head_dim, dtype):
+    """The fused attention hands attention exactly the q, k, v the decoder's split and RoPE
+    give (captured at the attention call), contiguous."""
     torch.manual_seed(n)
-    rope = decoder.RotaryEmbedding(head_dim, max_positions=512, base=10000.0)
-    cos, sin = (c.squeeze(1) for c in rope(torch.randint(0, 512, (n,)), dtype))
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim).to(dtype)
     plain = attention_module(heads, kv_heads, head_dim, dtype)
+    cos, sin = plain.rotary_emb.cos_sin(torch.randint(0, 512, (n,)), dtype)
+    x = torch.randn(n, heads * head_dim).to(dtype)
+    seen = []
+    plain.attn.forward = lambda q, k, v, meta: seen.append((q, k, v)) or torch.zeros_like(q)
     with torch.inference_mode():
-        expected = plain.heads(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
-        got = fused(plain, FusedAttention).heads(qkv, cos.unsqueeze(1), sin.unsqueeze(1))
+        plain(x, cos, sin, None)
+        FusedAttention(plain, LIB)(x, cos, sin, None)
+    (expected, got) = seen
     for g, e in zip(got, expected):
         assert g.is_contiguous()
         assert_same(g, e)
@@ -84,10 +87,9 @@ def test_silu_and_mul(shape, dtype):
     torch.manual_seed(shape[1])
     gate_up = torch.randn(shape) * 10
     gate_up[0, 0], gate_up[-1, shape[1] // 2 - 1] = -200.0, 200.0  # e^200 would overflow
-    mlp = decoder.GatedMLP(4, shape[1] // 2)
-    mlp.__class__ = MergedMLP  # the plain act() on merged rows
     with torch.inference_mode():
-        assert_same(fused(mlp, FusedMLP).act(gate_up.to(dtype)), mlp.act(gate_up.to(dtype)))
+        assert_same(FusedSiluAndMul(LIB)(gate_up.to(dtype)),
+                    decoder.SiluAndMul()(gate_up.to(dtype)))
 
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -102,10 +104,10 @@ def test_fused_model_computes_what_the_plain_one_does(config, dtype):
     torch.manual_seed(0)
     plain = decoder.DecoderForCausalLM(config).eval().to(dtype)
     fast = copy.deepcopy(plain)
-    merge_projections(fast)
     fuse_elementwise(fast, LIB)
     kinds = {type(m) for m in fast.modules()}
-    assert {FusedRMSNorm, FusedAttention, FusedMLP} <= kinds and decoder.RMSNorm not in kinds
+    assert {FusedRMSNorm, FusedAttention, FusedSiluAndMul} <= kinds
+    assert decoder.RMSNorm not in kinds and decoder.SiluAndMul not in kinds
     logits = []
     for model in (plain, fast):
         bind_kv_cache(model, num_blocks=8, block_size=4, dtype=dtype)

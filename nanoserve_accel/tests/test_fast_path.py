@@ -1,6 +1,7 @@
-"""The fast paths' one entry point: `optimize` is found through the entry point and swaps whole
-modules on the default path only; `enforce_eager=True` leaves the reader's plain torch model
-untouched and the process as it was; the chapter core imports nothing from nanoserve/accel/."""
+"""The fast paths' one entry point: `optimize` is found through the entry point and replaces
+whole modules on the default path only; `enable_fast_paths=False` leaves the reader's plain torch
+model untouched and the process as it was; the chapter core imports nothing from
+nanoserve_accel/, and runs its plain path when the plugin fails to load."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from torch import nn
 
 import nanoserve
 from nanoserve import LLM
-from nanoserve.accel import kernels, optimize
-from nanoserve.accel.amx_linear import AmxLinear
-from nanoserve.accel.linear import (
+from nanoserve.engine import model_runner
+from nanoserve.engine.model_runner import fast_paths, prepare_inputs
+from nanoserve.utils import cpu
+from nanoserve_accel import kernels, optimize
+from nanoserve_accel.amx_linear import AmxLinear
+from nanoserve_accel.linear import (
     DotFp32Linear,
     Dpbf16Linear,
     OneDNNLinear,
     PackedLinear,
     linear_kind,
 )
-from nanoserve.engine.model_runner import fast_paths, prepare_inputs
-from nanoserve.utils import cpu
 from tests.common.tiny_model import tiny_model_dir
 
 CORE = Path(nanoserve.__file__).parent
@@ -31,14 +33,29 @@ CORE = Path(nanoserve.__file__).parent
 
 def test_the_core_imports_nothing_from_the_fast_paths():
     offenders = [f"{path.relative_to(CORE)}:{n}" for path in CORE.rglob("*.py")
-                 if "accel" not in path.relative_to(CORE).parts
                  for n, line in enumerate(path.read_text().splitlines(), 1)
-                 if re.search(r"\b(import|from)\b.*\baccel\b", line)]
+                 if re.search(r"\b(import|from)\b.*\bnanoserve_accel\b", line)]
     assert offenders == []
 
 
 def test_optimize_is_found_through_the_entry_point():
-    assert optimize in fast_paths()
+    assert ("accel", optimize) in fast_paths()
+
+
+def test_a_plugin_that_fails_to_load_leaves_the_plain_path(monkeypatch, caplog):
+    """Installed but broken (its folder deleted, say): one warning, and the engine runs plain."""
+    class Broken:
+        name = "accel"
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'nanoserve_accel'")
+
+    monkeypatch.setattr(model_runner, "entry_points", lambda group: [Broken()])
+    llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
+    assert llm.model_runner.fast_paths == [] and "did not load" in caplog.text
+    assert not any(isinstance(m, (PackedLinear, OneDNNLinear, DotFp32Linear))
+                   for m in llm.model_runner.model.modules())
+    assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids
 
 
 @pytest.fixture
@@ -66,12 +83,12 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
             and "avx512_bf16" in cpu.cpu_flags()):
         backend += "+cpu-prefill"  # bf16 prefill chunks: csrc/attention_prefill.c
     assert runner.backend.name == backend
-    assert all(a.backend is runner.backend for a in runner.attn_layers)  # re-bound
+    assert all(a.backend is runner.backend for a in runner.attn_layers)  # bound to it
     assert freed_memory_calls == [1]
 
 
-def test_enforce_eager_is_the_plain_model(freed_memory_calls):
-    llm = LLM(tiny_model_dir(), dtype="float32", enforce_eager=True, num_kv_blocks=8,
+def test_without_fast_paths_the_model_is_the_plain_one(freed_memory_calls):
+    llm = LLM(tiny_model_dir(), dtype="float32", enable_fast_paths=False, num_kv_blocks=8,
               skip_tokenizer_init=True)
     runner = llm.model_runner
     fast = (PackedLinear, OneDNNLinear, DotFp32Linear)
@@ -85,7 +102,7 @@ def test_fast_and_plain_models_agree(dtype):
     CPU gets (greedy-token identity is tested in fp32 end to end: tests/core/test_engine_e2e.py)."""
     logits = {}
     for eager in (True, False):
-        llm = LLM(tiny_model_dir(), dtype=dtype, enforce_eager=eager, num_kv_blocks=16,
+        llm = LLM(tiny_model_dir(), dtype=dtype, enable_fast_paths=not eager, num_kv_blocks=16,
                   block_size=16, skip_tokenizer_init=True)
         for n in (3, 20, 9):
             llm.add_request([7] * n)

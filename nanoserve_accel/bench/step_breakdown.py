@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from step_times import decode_batch, make_runner
 
-from nanoserve.accel import kernels, paged_attention
-from nanoserve.accel.linear import DotFp32Linear, PackedLinear
-from nanoserve.layers.attention import select_backend
+from nanoserve.layers.attention import get_backend
+from nanoserve_accel import kernels, paged_attention
+from nanoserve_accel.linear import DotFp32Linear, PackedLinear
 
 
 def no_op_library(directory: str) -> ctypes.CDLL:
@@ -56,7 +56,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
     runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
-    twin = select_backend(torch.device("cpu"), runner.dtype, "torch")
+    twin = get_backend("torch")
     linears = [m for m in runner.model.modules() if isinstance(m, (PackedLinear, DotFp32Linear))]
     with tempfile.TemporaryDirectory() as tmp:
         noop = no_op_library(tmp)

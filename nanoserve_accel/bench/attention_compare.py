@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from nanoserve.accel import kernels, paged_attention
 from nanoserve.layers import torch_attention
-from nanoserve.layers.attention import select_backend
+from nanoserve.layers.attention import get_backend
 from nanoserve.utils import cpu
+from nanoserve_accel import kernels, paged_attention
 
 LAYERS, H, HKV, D = 30, 9, 3, 64
 
@@ -38,7 +38,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         fast = paged_attention.with_decode_kernel(
-            select_backend(torch.device("cpu"), dtype, "torch"), lib).with_kvcache
+            get_backend("torch"), lib).with_kvcache
         ways = {"c": fast, "twin": torch_attention.flash_attn_with_kvcache}
         for rows in (int(r) for r in args.rows.split(",")):
             torch.manual_seed(0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from nanoserve.accel import kernels
-from nanoserve.accel.linear import (
+from nanoserve_accel import kernels
+from nanoserve_accel.linear import (
     DOT_FP32_BELOW_ROWS,
     DotFp32Linear,
     OneDNNLinear,

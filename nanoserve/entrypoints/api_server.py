@@ -1,0 +1,240 @@
+"""§3–§4 served: an OpenAI-compatible HTTP server on the chapter's loop ("receive, schedule,
+forward, process, repeat"), with requests that really arrive while others run; the layout is
+vLLM's entrypoints/openai: this file (the app, the flags), protocol.py (the wire), one serving
+class per endpoint (serving_completion.py, serving_chat.py, sharing serving_engine.py), and the
+engine thread that owns the `LLM` (engine_thread.py).
+
+    python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
+
+Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are {"error": {"message",
+"type", "param", "code"}}: 400 for a bad value (param names the field), 404 for an unknown
+model, 401 without the --api-key. Tokenizing prompts runs on one tokenizer thread; the event
+loop only parses and writes JSON. Unknown fields are ignored, as in vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve import LLM
+from nanoserve.entrypoints.engine_thread import EngineThread
+from nanoserve.entrypoints.protocol import APIError
+from nanoserve.entrypoints.serving_chat import OpenAIServingChat
+from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
+from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.utils.bundled import MODEL_NAME
+
+
+class Server:
+    def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None) -> None:
+        self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
+        self.model_name, self.api_key = model_name, api_key
+        self.max_model_len = self.llm.config.max_model_len
+        self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
+        self.tokenize_pool = ThreadPoolExecutor(1, "nanoserve-tokenize")  # HF: one at a time
+        self.completion = OpenAIServingCompletion(engine, model_name, self.tokenize_pool)
+        self.chat = OpenAIServingChat(engine, model_name, self.tokenize_pool)
+        self.app = FastAPI(lifespan=self.lifespan)
+        self.app.get("/health")(self.health)
+        self.app.get("/metrics")(self.metrics)
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.chat_completions)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        self.engine.loop = asyncio.get_running_loop()
+        yield
+        self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is not None and \
+                request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise APIError("missing or wrong API key", None, 401)
+
+    async def health(self) -> Response:
+        alive = self.engine.thread.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    async def metrics(self) -> Response:
+        return Response(prom.generate_latest(self.engine.metrics.registry),
+                        media_type=prom.CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "nanoserve", "root": self.llm.model_dir, "parent": None,
+            "max_model_len": self.max_model_len}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve(request, self.completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.serve(request, self.chat)
+
+    async def serve(self, request: Request, serving: OpenAIServing) -> Response:
+        """Read the body, let `serving` answer; a disconnect before the answer aborts it."""
+        try:
+            self.authorize(request)
+            body = await self.read_body(request)
+        except APIError as e:
+            return e.response()
+        work = asyncio.ensure_future(serving.create(body))
+        disconnect = asyncio.ensure_future(_disconnected(request))  # the body is read: safe
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        disconnect.cancel()
+        if not work.done():  # the client left before the answer: create()'s finally aborts
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=499)
+        try:
+            return work.result()
+        except APIError as e:
+            return e.response()
+
+    async def read_body(self, request: Request) -> dict:
+        """At most max_body_bytes, also without a Content-Length (a chunked upload)."""
+        too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > self.max_body_bytes:
+            raise too_big
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        try:
+            body = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
+        return body
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT/SIGTERM: uvicorn stops accepting and lets in-flight requests finish (then
+        cancels them after --shutdown-timeout); unlike uvicorn's own, no re-raise: exit 0."""
+        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nanoserve serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", default=None, help="HF model directory (default: bundled)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="CPU cores left to the HTTP front end and clients, not the engine's "
+                        "threads (default 0: the engine computes on every core; ignored if "
+                        "OMP_NUM_THREADS is set)")
+    for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
+                       ("max-num-batched-tokens", int), ("max-model-len", int),
+                       ("block-size", int), ("num-kv-blocks", int),
+                       ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
+                       ("scheduling-policy", str), ("attention-backend", str), ("seed", int),
+                       ("trace-file", str)):
+        p.add_argument(f"--{flag}", type=kind, default=None)
+    for flag in ("enable-prefix-caching", "enable-chunked-prefill"):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
+    for flag in ("enforce-eager", "no-fast-paths"):
+        p.add_argument(f"--{flag}", action="store_true", default=None)
+    return p.parse_args(argv)
+
+
+def engine_threads(reserved: int) -> int | None:
+    """The engine's compute threads while serving: the cores less the reserved ones. vLLM's CPU
+    serving keeps a core for its API process; here the front end is a thread that runs while
+    the engine thread is inside a C call (the GIL is free there), and leaving a core idle for
+    it measured slower (docs/serving.md), so by default nothing is reserved."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= reserved < cores:
+        sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
+    return cores - reserved
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                    "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+                    "long_prefill_token_threshold", "scheduling_policy", "attention_backend",
+                    "seed", "enable_prefix_caching", "enable_chunked_prefill",
+                    "enforce_eager")
+    config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}
+    config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
+    if args.no_fast_paths:
+        config["enable_fast_paths"] = False
+    num_threads = engine_threads(args.reserved_cpus)
+    if num_threads is not None:  # before the CPU kernels' OpenMP starts (it reads the env)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+
+    def build() -> LLM:
+        llm = LLM(args.model, **config)
+        if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
+            llm.trace_to(args.trace_file, source="serve")
+        return llm
+
+    engine = EngineThread(build, num_threads)
+    engine.ready.wait()
+    if isinstance(engine.error, ValueError):
+        sys.exit(f"nanoserve serve: {engine.error}")
+    if engine.error is not None:
+        raise engine.error
+    name = args.served_model_name or args.model or MODEL_NAME
+    server = Server(engine, name, args.api_key)
+    llm = engine.llm
+    print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
+          f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
+          file=sys.stderr, flush=True)
+    UvicornServer(uvicorn.Config(server.app, host=args.host, port=args.port,
+                                 log_level=args.uvicorn_log_level,
+                                 timeout_graceful_shutdown=args.shutdown_timeout)).run()
+
+
+def cli() -> None:
+    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`."""
+    if len(sys.argv) < 2 or sys.argv[1] != "serve":
+        sys.exit("usage: nanoserve serve [MODEL] [--port 8000] [engine flags] (see --help)")
+    main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

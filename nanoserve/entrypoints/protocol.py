@@ -1,0 +1,89 @@
+"""The wire side of the server: vLLM's request fields and defaults (entrypoints/openai/protocol.py),
+its error shape, its chat-message forms and its server-sent events."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+
+class APIError(Exception):
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             413: "RequestTooLargeError", 500: "InternalServerError"}
+
+    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.TYPES[self.code],
+                                       "param": self.param, "code": self.code}}, self.code)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are ignored
+    model: str | None = None
+    temperature: float | None = None  # None: 1.0
+    top_p: float | None = None  # None: 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    repetition_penalty: float | None = None  # only "none" (1.0, 0.0) is supported
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # the top N per token (0: the sampled token's only)
+    echo: bool = False
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # None: up to max_model_len
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
+    """The request field an engine ValueError names (its messages start with the field)."""
+    word = re.match(r"\w+", message)
+    word = word and word.group()
+    return prompt_field if word == "prompt" else word if word in fields else None
+
+
+def chat_message(message: dict) -> dict:
+    """{"role", "content"}; content parts ({"type": "text", "text"}) are joined, as in vLLM."""
+    role, content = message.get("role"), message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise APIError("messages must each have a string role and a text content, got "
+                       f"{message!r:.200}", "messages")
+    return {**message, "role": role, "content": content}
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage_of(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}

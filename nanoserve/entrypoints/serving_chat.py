@@ -1,0 +1,60 @@
+"""POST /v1/chat/completions (vLLM's OpenAIServingChat): messages through the model's chat
+template, the answer as an assistant message (streamed: a role chunk, then content deltas), and
+`logprobs` / `top_logprobs` as the chat API shapes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, chat_message
+from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
+from nanoserve.layers.sampler import Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    request_model, prompt_field = ChatCompletionRequest, "messages"
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def prompt_of(self, req: ChatCompletionRequest) -> Any:
+        return [chat_message(m) for m in req.messages]
+
+    def tokenize(self, messages: Any) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as e:  # a template error: the messages do not fit it
+            raise APIError(f"messages do not fit the chat template: {e}", "messages") from e
+
+    def max_tokens_of(self, req: ChatCompletionRequest) -> int | None:
+        return req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+
+    def num_logprobs_of(self, req: ChatCompletionRequest) -> int | None:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    def wire_name(self, field_name: str | None) -> str | None:
+        return "top_logprobs" if field_name == "logprobs" else field_name
+
+    def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
+               delta: bool) -> dict:
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def first_chunks(self, head: dict, n: int) -> list[dict]:
+        """vLLM's first chat chunk: the role, for each choice."""
+        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+                for i in range(n)]
+
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
+        """Each token's text, logprob and bytes, and the `num` most likely tokens'."""
+        def item(e: Logprob) -> dict:
+            return {"token": e.decoded_token, "logprob": max(e.logprob, -9999.0),
+                    "bytes": list(e.decoded_token.encode("utf-8"))}
+
+        return {"content": [{**item(next(iter(entry.values()))), "top_logprobs": [
+            item(e) for e in sorted(entry.values(), key=lambda e: e.rank) if e.rank <= num]}
+            for entry in entries]}

@@ -1,0 +1,52 @@
+"""POST /v1/completions (vLLM's OpenAIServingCompletion): a text or token-id prompt, the answer's
+choices as text, and `logprobs` as the legacy completions API shapes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanoserve.entrypoints.protocol import APIError, CompletionRequest
+from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
+from nanoserve.layers.sampler import Logprob
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_model, prompt_field = CompletionRequest, "prompt"
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def prompt_of(self, req: CompletionRequest) -> Any:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(f"prompt must be one prompt (batches are not supported), got "
+                               f"{len(prompt)}", "prompt")
+            prompt = prompt[0]
+        return prompt
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """Token ids pass through (the engine checks their range)."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def num_logprobs_of(self, req: CompletionRequest) -> int | None:
+        return req.logprobs
+
+    def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
+               delta: bool) -> dict:
+        out = {"index": index, "text": text, "logprobs": logprobs,
+               "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        return out if delta else {**out, "prompt_logprobs": None}
+
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
+        """Each token's text, logprob and offset, and its top `num` (the sampled one too)."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for entry in entries:
+            sampled = next(iter(entry.values()))  # the sampled token comes first
+            tokens.append(sampled.decoded_token)
+            token_logprobs.append(max(sampled.logprob, -9999.0))
+            top_logprobs.append({e.decoded_token: max(e.logprob, -9999.0)
+                                 for e in entry.values()})
+            offsets.append(offset)
+            offset += len(sampled.decoded_token)
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}

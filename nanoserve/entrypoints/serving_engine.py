@@ -1,0 +1,196 @@
+"""§3-§4 served: what the completions and chat endpoints share (vLLM's OpenAIServing). A request
+is checked, tokenized on the tokenizer thread, handed to the engine thread, and answered whole or
+as server-sent events; `n` completions come back as choices 0..n-1. A client that disconnects,
+streaming or not, aborts its request: its KV blocks are free at the next step. The subclasses
+(serving_completion.py, serving_chat.py) say only what differs: the prompt and the shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+
+from nanoserve import SamplingParams
+from nanoserve.engine.outputs import CompletionOutput
+from nanoserve.entrypoints.engine_thread import Collector, EngineThread
+from nanoserve.entrypoints.protocol import APIError, SamplingRequest, param_of, sse, usage_of
+from nanoserve.layers.sampler import Logprob
+from nanoserve.sampling_params import RequestOutputKind
+
+
+@dataclass
+class Choice:
+    """One completion's answer so far (choices[index])."""
+
+    texts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_chars: int = 0  # of text already sent: where the next token's text starts
+
+    def add(self, c: CompletionOutput) -> None:
+        self.texts.append(c.text)
+        self.num_tokens += len(c.token_ids)
+        self.logprobs += c.logprobs or []
+        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class OpenAIServing:
+    request_model: type[SamplingRequest]
+    prompt_field: str  # the request's field that holds the prompt
+    object_name: str  # the response's "object"
+    chunk_object: str  # a streamed chunk's
+    id_prefix: str
+
+    def __init__(self, engine: EngineThread, model_name: str,
+                 tokenize_pool: ThreadPoolExecutor) -> None:
+        self.engine, self.model_name, self.tokenize_pool = engine, model_name, tokenize_pool
+        self.tokenizer = engine.llm.tokenizer
+        self.max_model_len = engine.llm.config.max_model_len
+
+    # -- what the endpoints define -------------------------------------------------------
+
+    def prompt_of(self, req: Any) -> Any:
+        raise NotImplementedError
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """On the tokenizer thread."""
+        raise NotImplementedError
+
+    def max_tokens_of(self, req: Any) -> int | None:
+        return req.max_tokens
+
+    def num_logprobs_of(self, req: Any) -> int | None:
+        raise NotImplementedError
+
+    def choice(self, index: int, choice: Choice, text: str, logprobs: list | None,
+               delta: bool) -> dict:
+        """A choice of the answer, or (delta) of a streamed chunk, with this text."""
+        raise NotImplementedError
+
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
+        """The choice's "logprobs" for these tokens (their text starts at char `offset`)."""
+        raise NotImplementedError
+
+    def first_chunks(self, head: dict, n: int) -> list[dict]:
+        return []
+
+    # -- what they share -------------------------------------------------------------------
+
+    async def create(self, body: dict) -> Response:
+        """Check, hand the request to the engine, answer. Raises APIError."""
+        try:
+            req = self.request_model.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = str(err["loc"][0]) if err["loc"] else None
+            raise APIError(f"{param}: {err['msg']}", param) from None
+        params, prompt_ids = await self.to_engine_input(req)
+        collector, streaming = Collector(), False
+        self.engine.add(collector, prompt_ids, params)
+        try:
+            if (error := await collector.accepted) is not None:
+                if not isinstance(error, ValueError):
+                    raise APIError(f"the engine failed to add the request: {error!r}", None, 500)
+                fields = set(self.request_model.model_fields)
+                raise APIError(str(error), param_of(str(error), fields, self.prompt_field))
+            head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
+                    "created": int(time.time()), "model": self.model_name}
+            if req.stream:
+                usage = req.stream_options is not None and req.stream_options.include_usage
+                streaming = True  # from here the stream's end aborts (also if never started)
+                return StreamingResponse(
+                    self.stream(collector, head, req.n, len(prompt_ids), usage, params.logprobs),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(self.engine.abort, collector))
+            choices = [Choice() for _ in range(req.n)]
+            finished = False
+            while not finished:
+                for output in await collector.get():
+                    for c in output.outputs:
+                        choices[c.index].add(c)
+                    finished = output.finished
+        finally:
+            if not streaming:  # a no-op once finished; else the client is gone
+                self.engine.abort(collector)
+        answer = [self.choice(i, c, "".join(c.texts), self.logprobs_or_none(
+            c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
+        return JSONResponse({**head, "choices": answer, "usage": usage_of(
+            len(prompt_ids), sum(c.num_tokens for c in choices))})
+
+    def logprobs_or_none(self, entries: list, offset: int, num: int | None) -> dict | None:
+        return None if num is None else self.logprobs(entries, offset, num)
+
+    async def to_engine_input(self, req: Any) -> tuple[SamplingParams, list[int]]:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
+        for name, ok in (("echo", not getattr(req, "echo", False)),
+                         ("repetition_penalty", req.repetition_penalty in (None, 1.0)),
+                         ("presence_penalty", req.presence_penalty in (None, 0.0)),
+                         ("frequency_penalty", req.frequency_penalty in (None, 0.0))):
+            if not ok:
+                raise APIError(f"{name} is not supported by nanoserve, got "
+                               f"{getattr(req, name)!r}", name)
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, self.tokenize, self.prompt_of(req))
+        max_tokens = self.max_tokens_of(req)
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"{self.prompt_field} has {len(ids)} tokens: this model's maximum "
+                           f"context length is {self.max_model_len} tokens", self.prompt_field)
+        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens >= 1 and \
+                len(ids) + max_tokens > self.max_model_len:
+            raise APIError(f"max_tokens is {max_tokens}, with the {len(ids)} prompt tokens more "
+                           f"than this model's maximum context length ({self.max_model_len})",
+                           "max_tokens")
+        try:
+            params = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, seed=req.seed,
+                max_tokens=self.max_model_len - len(ids) if max_tokens is None else max_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, logprobs=self.num_logprobs_of(req),
+                output_kind=RequestOutputKind.DELTA)
+        except ValueError as e:
+            field_name = param_of(str(e), set(type(req).model_fields), self.prompt_field)
+            raise APIError(str(e), self.wire_name(field_name)) from None
+        return params, ids
+
+    def wire_name(self, field_name: str | None) -> str | None:
+        """The request's name for an engine field (chat's top N is `top_logprobs`)."""
+        return field_name
+
+    async def stream(self, collector: Collector, head: dict, n: int, num_prompt: int,
+                     include_usage: bool, num_logprobs: int | None):
+        """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
+        choices, finished = [Choice() for _ in range(n)], False
+        head = {**head, "object": self.chunk_object}
+        try:
+            for chunk in self.first_chunks(head, n):
+                yield sse(chunk)
+            while not finished:
+                for output in await collector.get():
+                    finished = output.finished
+                    for c in output.outputs:
+                        choice, start = choices[c.index], len(choices[c.index].logprobs)
+                        choice.add(c)
+                        if c.text or c.token_ids or c.finish_reason:
+                            logprobs = self.logprobs_or_none(choice.logprobs[start:],
+                                                             choice.num_chars, num_logprobs)
+                            yield sse({**head, "choices": [
+                                self.choice(c.index, choice, c.text, logprobs, delta=True)]})
+                            choice.num_chars += len(c.text)
+            if include_usage:  # vLLM's bench client reads usage only from a choice-less chunk
+                yield sse({**head, "choices": [], "usage": usage_of(
+                    num_prompt, sum(c.num_tokens for c in choices))})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.abort(collector)
