@@ -14,6 +14,7 @@ the sum of the requested lengths; whatever a system computes beyond that is wast
     python bench.py --workload vllm-longtail --systems continuous,llamacpp  # vs llama.cpp
     python bench.py --workload batching         # §1: decode step time at 1/4/16/64 rows
     python bench.py --workload prefill-stutter  # §7: a long prompt, chunked prefill off/on
+    python bench.py --workload nano-vllm --systems continuous   # nano-vllm's bench (GPU: whole)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=(*WORKLOADS, *steps.STEP_WORKLOADS),
                    default="longtail",
                    help="vllm-longtail: 64 prompts of ~40..90 tokens, outputs clipped to 256; "
+                        "nano-vllm: its bench.py (256 x 100-1024 in/out, temperature 0.6; "
+                        "scaled down 8x on a CPU); "
                         "batching (§1) and prefill-stutter (§7): nanoserve's step times")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
         print(f"{results[-1].wall_s:.1f} s (load average {loads[name]:.1f})", flush=True)
 
     best = report.best_utilisation(wl.jobs, wl.max_num_seqs)
-    identical = report.identical_counts(results)
+    identical = {} if wl.temperature else report.identical_counts(results)  # sampled: differ
     print("", report.throughput_table(results), "", report.latency_table(results), "",
           report.startup_table(results), sep="\n")
     print(f"best possible slot utilisation for this workload: {best:.1%} "

@@ -193,8 +193,8 @@ class Continuous(System):
         peak_kv = 0.0
         while arrivals.order or llm.has_unfinished_requests():
             for i in arrivals.due():
-                params = SamplingParams(temperature=0.0, max_tokens=jobs[i].max_tokens,
-                                        ignore_eos=True)
+                params = SamplingParams(temperature=wl.temperature,
+                                        max_tokens=jobs[i].max_tokens, ignore_eos=True)
                 job_of[llm.add_request(jobs[i].prompt_ids, params)] = i
             if not llm.has_unfinished_requests():
                 time.sleep(arrivals.wait())  # idle until the next arrival

@@ -32,7 +32,7 @@ def vllm_job(wl: Workload, model_dir: str, dtype: str, max_num_batched_tokens: i
     slow), not nanoserve's 16: each engine with the KV layout its kernels are made for."""
     return {"model": model_dir, "dtype": dtype,
             "prompts": [j.prompt_ids for j in wl.jobs],
-            "max_tokens": [j.max_tokens for j in wl.jobs],
+            "max_tokens": [j.max_tokens for j in wl.jobs], "temperature": wl.temperature,
             "max_num_seqs": wl.max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "max_model_len": max(len(j.prompt_ids) + j.max_tokens for j in wl.jobs),
             "block_size": block_size}

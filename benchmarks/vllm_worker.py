@@ -8,7 +8,8 @@ writes the job file and reads the result file:
 
 The job: model (HF directory), dtype, prompts (token ids), max_tokens (one per prompt),
 max_num_seqs, max_num_batched_tokens, max_model_len, block_size (null: vLLM's default).
-Greedy, ignore_eos: every request gets exactly its max_tokens (chapter 2.2 §2's "same work").
+Greedy (or the job's temperature), ignore_eos: every request gets exactly its max_tokens
+(chapter 2.2 §2's "same work").
 vLLM's per-request latencies need its stats logging, left off (as LLM() does) so as not to
 slow it down: the result has start-up, wall time and output token ids.
 """
@@ -37,8 +38,8 @@ def main(job_path: str, result_path: str) -> None:
     # Warm-up with the first prompt: LLM() until that first token is the warm start.
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     first_token = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for n in job["max_tokens"]]
+    params = [SamplingParams(temperature=job.get("temperature", 0), max_tokens=n,
+                             ignore_eos=True) for n in job["max_tokens"]]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start

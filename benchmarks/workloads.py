@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("longtail", "chapter", "vllm-longtail")
+WORKLOADS = ("longtail", "chapter", "vllm-longtail", "nano-vllm")
 QUICK_MAX_TOKENS = 96  # --quick: 16 requests in 8 slots, outputs clipped to 96 tokens
 
 
@@ -27,6 +27,7 @@ class Workload:
     jobs: list[Job]
     max_num_seqs: int
     description: str
+    temperature: float = 0.0  # every request's (0: greedy, whose tokens systems must agree on)
 
     @property
     def useful_tokens(self) -> int:
@@ -84,10 +85,13 @@ def make_workload(name: str, tokenizer, num_requests: int, seed: int, quick: boo
                   arrival_rate: float | None, max_num_seqs: int | None) -> Workload:
     """chapter: §2's 8 requests. longtail: prompts of ~40..200 tokens, outputs clipped to
     [8, 512]. vllm-longtail: the vLLM comparison's setting, prompts of ~40..90 tokens,
-    outputs clipped to [8, 256]. --quick: at most 16 requests in 8 slots, outputs <= 96."""
+    outputs clipped to [8, 256]. nano-vllm: nano-vllm's bench.py (nano_vllm_workload).
+    --quick: at most 16 requests in 8 slots, outputs <= 96."""
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
     rng = np.random.default_rng(seed)
+    if name == "nano-vllm":
+        return nano_vllm_workload(rng, quick, max_num_seqs)
     if name == "chapter":
         lengths = chapter_lengths(quick)
         words = rng.integers(10, 40, len(lengths))
@@ -108,3 +112,20 @@ def make_workload(name: str, tokenizer, num_requests: int, seed: int, quick: boo
     jobs = [Job(chat_ids(tokenizer, prompt_text(rng, int(w))), int(n), a)
             for w, n, a in zip(words, lengths, arrivals)]
     return Workload(name, jobs, seqs, desc)
+
+
+def nano_vllm_workload(rng: np.random.Generator, quick: bool, max_num_seqs: int | None,
+                       gpu: bool | None = None) -> Workload:
+    """nano-vllm's bench.py: 256 requests of random token ids (0..10000), 100-1024 prompt and
+    100-1024 output tokens each, sampled at temperature 0.6 with EOS ignored. Whole on a GPU; on
+    a CPU (or --quick) 32 requests with lengths divided by 8, the same shape of work."""
+    import torch
+
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    n, scale = (256, 1) if gpu and not quick else (32, 8)
+    jobs = [Job(rng.integers(0, 10001, int(rng.integers(100, 1025)) // scale).tolist(),
+                int(rng.integers(100, 1025)) // scale) for _ in range(n)]
+    seqs = max_num_seqs or (256 if gpu and not quick else 32)
+    return Workload("nano-vllm", jobs, seqs, f"nano-vllm's bench: {n} requests of random ids, "
+                    f"prompts and outputs {100 // scale}-{1024 // scale} tokens",
+                    temperature=0.6)

@@ -161,18 +161,12 @@ class ModelRunner:
         return num_blocks
 
     def _cuda_kv_budget(self) -> int:
-        """Memory left for KV after the weights and a warm-up forward's peak activations."""
+        """Memory left for KV after the weights and the peak of the warm-up steps."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        # The warm-up: one full step of fresh sequences, one per block of a scratch cache.
-        step, num_tokens = SchedulerOutput(), self.config.max_num_batched_tokens
-        for i, start in enumerate(range(0, num_tokens, self.block_size)):
-            n = min(self.block_size, num_tokens - start)
-            req = Request(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
-            req.block_table = [i]
-            step.scheduled.append(ScheduledRequest(req, n, samples=True))
-        self._allocate_kv_cache(num_blocks=len(step.scheduled))
-        self.execute_model(step)  # the logits and the sampler's buffers count too
+        self._allocate_kv_cache(num_blocks=1)
+        for step in self.warmup_steps():  # the logits and the sampler's buffers count too
+            self.execute_model(step)
         peak = torch.cuda.max_memory_allocated(self.device)
         for attn in self.attn_layers:  # drop the scratch cache's last references
             attn.bind(torch.empty(0), torch.empty(0), self.backend)
@@ -181,6 +175,26 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
         return int(total * self.config.gpu_memory_utilization) - peak - in_use_by_others
+
+    def warmup_steps(self) -> list[SchedulerOutput]:
+        """The largest steps the engine will run, all reading one scratch block: a full prefill
+        budget of fresh sequences, and max_num_seqs decodes at max_model_len (the widest
+        decode a CUDA graph captures)."""
+        c, steps = self.config, [SchedulerOutput(), SchedulerOutput()]
+
+        def request(i: int, num_tokens: int, num_computed: int) -> Request:
+            req = Request(f"warmup-{i}", [0] * num_tokens, SamplingParams(max_tokens=1))
+            req.num_computed_tokens = num_computed
+            req.block_table = [0] * -(-num_tokens // self.block_size)
+            return req
+
+        for i, start in enumerate(range(0, c.max_num_batched_tokens, self.block_size)):
+            n = min(self.block_size, c.max_num_batched_tokens - start)
+            steps[0].scheduled.append(ScheduledRequest(request(i, n, 0), n, samples=True))
+        for i in range(c.max_num_seqs):
+            req = request(i, c.max_model_len, c.max_model_len - 1)
+            steps[1].scheduled.append(ScheduledRequest(req, 1, samples=True))
+        return steps
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """One tensor [2, layers, blocks + 1, block_size, kv_heads, head_dim]. The extra

@@ -1,73 +1,56 @@
-"""GPU check: one prepared run of a few minutes on a CUDA machine.
+"""GPU check: the one prepared run a session with a lent GPU makes first (--quick, <= 8 minutes on
+an H200), and its dry run on a CPU. Each section prints what it found; the last lines sum up.
 
-Checks, in order (each prints one line; the kernel and graph checks print a table):
-  0. versions: flash-attn / torch / CUDA / GPU name and SM (compute capability).
-  1. the CUDA tests and the model-free / tiny-model tests, on this machine (pytest).
-  2. attention kernels, one shot each, on shuffled block tables whose unused blocks are
-     NaN (a kernel that reads one fails), for three request mixes: whole prompts (GQA 1);
-     chunks starting mid-page (GQA 3); lengths crossing 256 and 512 (GQA 8):
-       - flash-attn (bf16, 256-token pages) vs the fp32 torch twin, within tolerance,
-         prefill (varlen) and decode (kvcache), if flash_attn imports and SM >= 8.0;
-       - otherwise the torch twins on CUDA standing in for flash-attn (bf16, 256-token
-         pages, contract checks on) vs a dense fp64 reference;
-       - always: the fp32 torch twins (16-token pages) vs the dense fp64 reference.
-  3. CUDA-graph replay vs eager for one decode step with padding rows, per backend:
-     logits within tolerance (never bitwise: flash-attn's num_splits depends on the batch),
-     padding rows write only the sink block and read nothing else (their outputs finite).
-  4. flash-attn vs torch backends end to end (token agreement; informational, bf16 ties).
-  5. a compact bench in bf16 on random-weight models of real shapes (Qwen3-0.6B and
-     SmolLM2-135M, built from configs: no download): nanoserve continuous with eager
-     decode vs CUDA-graph decode, nanoserve static, and HF `generate` on padded batches.
+  0. versions, and what runs: the engine's start-up line (device, dtype, attention backend and
+     why, block size, KV blocks, CUDA graphs, torch.compile).
+  1. attention kernels, one shot each, on shuffled block tables whose unused blocks are NaN
+     (a kernel that reads one fails), for three request mixes (whole prompts, GQA 1; chunks
+     starting mid-page, GQA 3; lengths crossing 256 and 512, GQA 8): the fp32 torch twins
+     against a dense fp64 reference; flash-attn against the fp32 twin where it imports, else
+     the bf16 twins with flash-attn's contract checks on. CUDA-graph replay vs eager for one
+     decode step with padding rows (logits within tolerance, padding writes only the sink).
+  2. tests/gpu/test_cuda.py (pytest).
+  3. end to end in fp32 with the torch twins and CUDA graphs: prompts sharing a prefix (prefix
+     cache hits) and a small token budget (chunks that start mid-block): HF generate's tokens.
+  4. KV sizing from gpu_memory_utilization on a Qwen3-0.6B-shaped model (random weights).
+  5. nano-vllm's benchmark workload on that model (256 requests, 100-1024 input and output
+     tokens), greedy and at temperature 0.6: tok/s.
 
-    python scripts/dev/gpu_check.py                # everything, on the GPU machine
-    python scripts/dev/gpu_check.py --checks-only  # 0, 2, 3 only (about a minute)
-    python scripts/dev/gpu_check.py --small        # a dry run of the same code on CPU
+    python scripts/dev/gpu_check.py --quick            # on the GPU: all of it
+    python scripts/dev/gpu_check.py --quick --dry-run  # the same code on a CPU, tiny sizes
+    python scripts/dev/gpu_check.py --checks-only      # 0 and 1 (about a minute)
 
-The tensor logic of checks 2 and 3 is importable; tests/test_gpu_check.py runs it on CPU.
+The tensor logic of section 1 is importable; tests/support/test_gpu_check.py runs it on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from nanoserve import LLM, SamplingParams
-from nanoserve.engine.cuda_graph import CUDAGraphRunner, padded_batch_size
-from nanoserve.layers import torch_attention
-from nanoserve.layers.attention import AttentionMetadata
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.shapes import make_random_model  # noqa: E402
+from benchmarks.workloads import nano_vllm_workload  # noqa: E402
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.engine.cuda_graph import CUDAGraphRunner, padded_batch_size  # noqa: E402
+from nanoserve.layers import torch_attention  # noqa: E402
+from nanoserve.layers.attention import AttentionMetadata  # noqa: E402
 
-TESTS = ["tests/test_cuda.py", "tests/test_gpu_logic.py", "tests/test_scheduler.py",
-         "tests/test_attention.py", "tests/test_models.py", "tests/test_properties.py"]
-
-SHAPES = {  # the public configs' shapes; weights are random
-    "qwen3-0.6b-shape": lambda: Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=40960, rope_theta=1_000_000, tie_word_embeddings=True,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None),
-    "smollm2-135m-shape": lambda: LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rope_theta=100000, tie_word_embeddings=True,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None),
-}
-SMALL = {"tiny-llama": lambda: LlamaConfig(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None,
-    pad_token_id=None)}
+TESTS = ["tests/gpu/test_cuda.py"]
+NANO_VLLM_FIGURE = ("nano-vllm's README: 1434 tok/s on an RTX 4070 Laptop (vLLM 1362), "
+                    "Qwen3-0.6B, the same workload")
 
 
-# -- 0. versions ---------------------------------------------------------------------
+# -- 0. versions -------------------------------------------------------------------------
 
 def versions_line() -> str:
     try:
@@ -82,7 +65,7 @@ def versions_line() -> str:
     return f"flash-attn {fa} | torch {torch.__version__} | {gpu}"
 
 
-# -- 2. attention kernels (pure tensors) --------------------------------------------------
+# -- 1. attention kernels (pure tensors) --------------------------------------------------
 
 KERNEL_CASES = {  # name: ([(context_len, chunk_len) per request], GQA group)
     "whole prompts, GQA 1": ([(7, 7), (33, 33), (1, 1), (256, 256)], 1),
@@ -194,7 +177,7 @@ def kernel_checks(device: str) -> list[tuple[str, str, float, bool]]:
     return rows
 
 
-# -- 3. CUDA-graph replay vs eager -------------------------------------------------------
+# -- 1. CUDA-graph replay vs eager -------------------------------------------------------
 
 def graph_vs_eager(llm: LLM, ctx_lens: tuple[int, ...] = (37, 300, 5)) -> dict:
     """One decode step of len(ctx_lens) rows, eager and then replayed from the graph of the
@@ -243,96 +226,15 @@ def graph_checks(path: str, device: str) -> list[dict]:
     results = []
     for dtype, backend in (("bfloat16", "auto"), ("float32", "torch")):
         llm = LLM(path, device=device, dtype=dtype, attention_backend=backend, max_num_seqs=8,
-                  num_kv_blocks=64, max_model_len=1024, skip_tokenizer_init=True)
+                  num_kv_blocks=64, max_model_len=1024, skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.3)
         graphs = llm.model_runner.model
         if not isinstance(graphs, CUDAGraphRunner) or not graphs.graphs:
             results.append(dict(backend=backend, dtype=dtype, skipped="no captured graphs"))
             continue
         results.append(dict(dtype=dtype, **graph_vs_eager(llm)))
-        del llm
-        gc.collect()
+        free(llm)
     return results
-
-
-def run_tests() -> str:
-    tests = [t for t in TESTS if os.path.exists(t)]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *tests], capture_output=True, text=True)
-    print(proc.stdout[-6000:], proc.stderr[-2000:])
-    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
-
-
-def build(name: str, make_config, device: str, dtype: torch.dtype) -> str:
-    path = tempfile.mkdtemp(prefix=f"{name}-")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(make_config(), dtype=dtype)
-    model.save_pretrained(path)
-    return path
-
-
-def workload(num: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Prompts of 16-256 tokens and long-tailed output lengths (lognormal, 16-256)."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, rng.integers(16, 257)).tolist() for _ in range(num)]
-    lengths = np.clip(rng.lognormal(np.log(48), 0.8, num), 16, 256).astype(int).tolist()
-    return prompts, lengths
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def run_nanoserve(path, prompts, lengths, device, dtype_name, **config) -> tuple[float, int]:
-    llm = LLM(path, device=device, dtype=dtype_name, skip_tokenizer_init=True, **config)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    sync(device)
-    steps_before, start = llm.num_steps, time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    wall = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outputs] == lengths
-    steps = llm.num_steps - steps_before
-    del llm, outputs
-    gc.collect()  # the runner and its graphs form a cycle: free the KV cache now
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return wall, steps
-
-
-def run_hf_static(path, prompts, lengths, device, dtype, batch) -> float:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        chunk, n = prompts[i:i + batch], max(lengths[i:i + batch])
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
-                            device=device)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0)
-    sync(device)
-    return time.perf_counter() - start
-
-
-def compare_backends(path: str, device: str) -> str:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return "flash-attn vs torch: skipped, flash_attn is not importable here"
-    prompts, lengths = workload(16, 512, seed=1)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    outs = {}
-    for backend in ("flash-attn", "torch"):
-        llm = LLM(path, device=device, dtype="bfloat16", skip_tokenizer_init=True,
-                  attention_backend=backend, block_size=256)
-        outs[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    same = sum(a == b for a, b in zip(outs["flash-attn"], outs["torch"]))
-    return (f"flash-attn vs torch: {same}/{len(prompts)} requests token-identical (bf16; "
-            "informational: near-ties may differ, check 2 is the pass/fail)")
 
 
 def print_checks(device: str, path: str) -> list[str]:
@@ -352,58 +254,141 @@ def print_checks(device: str, path: str) -> list[str]:
             else "graph vs eager: not run (no CUDA)"]
 
 
+def free(*engines) -> None:
+    """Drop engines and give their GPU memory back before the next one sizes its KV cache."""
+    for llm in engines:
+        del llm
+    gc.collect()  # the runner and its graphs form a cycle
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- 2. the CUDA tests -------------------------------------------------------------------
+
+def run_tests(timeout: float) -> str:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *TESTS], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    print(proc.stdout[-3000:], proc.stderr[-1000:])
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
+
+
+# -- 3. end to end against HF --------------------------------------------------------------
+
+def end_to_end(device: str) -> str:
+    """fp32, torch twins, CUDA graphs on a GPU: HF generate's greedy tokens, with prefix hits
+    and chunks that start mid-block (a budget of 40 tokens, blocks of 16)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_random_model("tiny-llama", dtype=torch.float32, tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():  # wide logits: greedy far from near-ties
+        for p in hf.parameters():
+            p.mul_(5.0)
+    hf.save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 512, (37,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 20, 41)]
+    prompts += [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 66)]
+    llm = LLM(path, device=device, dtype="float32", attention_backend="torch",
+              skip_tokenizer_init=True, block_size=16, max_num_batched_tokens=40,
+              max_num_seqs=4, max_model_len=512, gpu_memory_utilization=0.3, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    hits = llm.scheduler.block_manager.prefix_cache_hits
+    graphs = isinstance(llm.model_runner.model, CUDAGraphRunner)
+    same = sum(a == b for a, b in zip(got, want))
+    free(llm)
+    return (f"end to end fp32 vs HF generate: {same}/{len(prompts)} requests identical "
+            f"({hits} prefix-hit tokens, chunks of <= 40 tokens, CUDA graphs "
+            f"{'on' if graphs else 'off'})")
+
+
+# -- 4 and 5. KV sizing and nano-vllm's workload ---------------------------------------------
+
+def kv_sizing(llm: LLM, device: str, utilization: float) -> str:
+    r = llm.model_runner
+    line = (f"KV sizing: {r.num_kv_blocks} blocks of {r.block_size} tokens = "
+            f"{r.kv_cache_bytes / 2**30:.2f} GiB, weights {r.weight_bytes / 2**30:.2f} GiB")
+    if not device.startswith("cuda"):
+        return line + " (CPU: kv_cache_memory_gib)"
+    free_b, total = torch.cuda.mem_get_info()
+    used = (total - free_b) / total
+    verdict = "ok" if used <= utilization + 0.03 else "OVER"
+    return (f"{line}; GPU in use {used:.1%} of {total / 2**30:.0f} GiB after the runs "
+            f"(gpu_memory_utilization {utilization}: {verdict})")
+
+
+def nano_vllm_bench(llm: LLM, device: str, dry_run: bool) -> list[str]:
+    wl = nano_vllm_workload(np.random.default_rng(0), quick=dry_run, max_num_seqs=None,
+                            gpu=not dry_run)
+    prompts = [[t % llm.vocab_size for t in j.prompt_ids] for j in wl.jobs]  # (tiny vocabs)
+    lines = []
+    useful = sum(j.max_tokens for j in wl.jobs)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    for temperature in (0.0, 0.6):
+        params = [SamplingParams(temperature=temperature, max_tokens=j.max_tokens,
+                                 ignore_eos=True) for j in wl.jobs]
+        sync(device)
+        start, steps = time.perf_counter(), llm.num_steps
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        wall = time.perf_counter() - start
+        assert [len(o.token_ids) for o in outs] == [j.max_tokens for j in wl.jobs]
+        lines.append(f"nano-vllm workload ({wl.description}), temperature {temperature}: "
+                     f"{useful} tokens in {wall:.2f} s = {useful / wall:.0f} tok/s, "
+                     f"{llm.num_steps - steps} steps")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="dry run on CPU, tiny model")
-    parser.add_argument("--checks-only", action="store_true",
-                        help="versions, kernel and graph checks only (0, 2, 3)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="sections 0-5 (<= 8 min, H200)")
+    parser.add_argument("--dry-run", action="store_true", help="on a CPU, tiny sizes")
+    parser.add_argument("--checks-only", action="store_true", help="sections 0 and 1")
     args = parser.parse_args()
-    device = "cpu" if args.small else "cuda"
-    dtype_name = "float32" if args.small else "bfloat16"
-    dtype = getattr(torch, dtype_name)
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU here: use --dry-run on a CPU")
+    start = time.perf_counter()
+
+    def elapsed() -> str:
+        return f"[{time.perf_counter() - start:.0f} s]"
+
     print(versions_line(), flush=True)
-    summary = [] if args.skip_tests or args.checks_only else [
-        f"tests on this machine: {run_tests()}"]
-    summary += print_checks(device, build("tiny", SMALL["tiny-llama"], device, dtype))
-    if args.checks_only:
-        print("\n" + "\n".join(summary))
-        return
-    shapes = SMALL if args.small else SHAPES
-    rows = []
-    for name, make_config in shapes.items():
-        path = build(name, make_config, device, dtype)
-        if name == next(iter(shapes)):
-            summary.append(compare_backends(build("tiny", SMALL["tiny-llama"], device, dtype),
-                                            device))
-        vocab = make_config().vocab_size
-        num = 8 if args.small else args.num_requests
-        prompts, lengths = workload(num, vocab)
-        useful = sum(lengths)
-        common = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
-                      max_model_len=1024, num_kv_blocks=4096)
-        systems = {
-            "nanoserve continuous, eager": dict(enforce_eager=True),
-            "nanoserve continuous, CUDA graphs": dict(enforce_eager=False),
-            "nanoserve static, CUDA graphs": dict(enforce_eager=False,
-                                                  scheduling_policy="static"),
-        }
-        for system, extra in systems.items():
-            wall, steps = run_nanoserve(path, prompts, lengths, device, dtype_name,
-                                        **common, **extra)
-            rows.append((name, system, wall, useful / wall, steps))
-            print(rows[-1], flush=True)
-        wall = run_hf_static(path, prompts, lengths, device, dtype, args.max_num_seqs)
-        rows.append((name, "HF generate, static batches", wall, useful / wall, None))
-        print(rows[-1], flush=True)
-    print(f"\n{num} requests, prompts 16-256 tokens, outputs lognormal 16-256 "
-          f"({dtype_name}, max_num_seqs {args.max_num_seqs})")
-    print("| model | system | wall s | output tok/s | steps |\n|---|---|---|---|---|")
-    for name, system, wall, tps, steps in rows:
-        print(f"| {name} | {system} | {wall:.2f} | {tps:.0f} | {steps or '-'} |")
+    half = "float32" if args.dry_run else "bfloat16"
+    tiny = make_random_model("tiny-llama", dtype=getattr(torch, half), tokenizer=False)
+    summary = print_checks(device, tiny)
+    print(elapsed(), flush=True)
+    if not args.checks_only:
+        summary.append(f"tests on this machine: {run_tests(150)} {elapsed()}")
+        summary.append(f"{end_to_end(device)} {elapsed()}")
+        shape = "tiny-llama" if args.dry_run else "qwen3-0.6b"
+        path = make_random_model(shape, dtype=getattr(torch, half), device=device)
+        utilization = 0.9
+        # nano-vllm's settings but for max_num_seqs: its 256 requests at once, not 512.
+        llm = LLM(path, device=device, dtype=half, max_model_len=2048, skip_tokenizer_init=True,
+                  max_num_seqs=256, gpu_memory_utilization=utilization,
+                  **({"num_kv_blocks": 512} if args.dry_run else {}))
+        summary.append(f"what runs ({shape}): {llm.describe()}")
+        print(summary[-1], flush=True)
+        summary += nano_vllm_bench(llm, device, args.dry_run)
+        summary.append(f"{kv_sizing(llm, device, utilization)} {elapsed()}")
+        summary.append(NANO_VLLM_FIGURE)
+        free(llm)
     print("\n" + "\n".join(summary))
 
 

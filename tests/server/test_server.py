@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.utils.bundled import default_model_dir
@@ -177,6 +178,87 @@ def test_models_health_metrics(server):
                  "request_time_per_output_token_seconds_count"):
         assert "nanoserve:" + name in m
     assert m["nanoserve:time_to_first_token_seconds_count"] >= 1  # earlier tests' requests
+
+
+def hf_logprobs(tokens: list[int]) -> torch.Tensor:
+    """log-softmax of HF's fp32 logits of the server's model, at every position of `tokens`."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(MAX_MODEL_LEN), dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+
+
+def test_logprobs_through_the_client_are_hf_log_softmax(server, ref_llm):
+    """Completions (logprobs=3) and chat (logprobs, top_logprobs=2), greedy fp32: each token's
+    logprob is HF's, its top entries are HF's most likely tokens."""
+    client, prompt = server.client(), [5, 17, 3, 250, 8, 41, 77]
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    [ref] = ref_llm.generate([prompt], greedy(6), use_tqdm=False)
+    expected = hf_logprobs(prompt + ref.token_ids)[len(prompt) - 1:-1]
+    assert lp.tokens == [ref_llm.tokenizer.decode([t]) for t in ref.token_ids]
+    for got, top, token, row in zip(lp.token_logprobs, lp.top_logprobs, ref.token_ids, expected):
+        assert got == pytest.approx(float(row[token]), abs=2e-3)
+        assert len(top) == 3  # greedy: the sampled token is the most likely one
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            row.topk(3).values.tolist(), abs=2e-3)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices[0].logprobs]
+    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    assert [x for s in streamed for x in s.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = ref_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    [ref] = ref_llm.generate([ids], greedy(4), use_tqdm=False)
+    expected = hf_logprobs(ids + ref.token_ids)[len(ids) - 1:-1]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for item, token, row in zip(content, ref.token_ids, expected):
+        assert item.logprob == pytest.approx(float(row[token]), abs=2e-3)
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+            row.topk(2).values.tolist(), abs=2e-3)
+        assert item.bytes == list(item.token.encode())
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_completions_through_the_client_share_the_prompt(server):
+    """n=3 with a seed: three choices, indices 0..2, the prompt's full blocks computed once
+    (children 1 and 2 hit them); streamed, each index ends with its finish_reason."""
+    client = server.client()
+    prompt = random.Random(7).choices(range(VOCAB_SIZE), k=40)  # unseen: two full blocks
+    server.wait_idle()
+    hits = server.metrics()["nanoserve:prefix_cache_hits_total"]
+    out = client.completions.create(model="m", prompt=prompt, n=3, seed=5, temperature=1.0,
+                                    max_tokens=5, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 15
+    server.wait_idle()
+    assert server.metrics()["nanoserve:prefix_cache_hits_total"] - hits == 2 * 2 * 16
+    again = client.completions.create(model="m", prompt=prompt, n=3, seed=5, temperature=1.0,
+                                      max_tokens=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    finished, texts = {}, {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(model="m", prompt=prompt, n=3, seed=5,
+                                           temperature=1.0, max_tokens=5, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert [texts[i] for i in range(3)] == [c.text for c in out.choices]
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                          n=2, max_tokens=3, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
 
 
 # -- bad input ------------------------------------------------------------------------------
