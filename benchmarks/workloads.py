@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 WORKLOADS = ("longtail", "chapter", "vllm-longtail", "nano-vllm")
-QUICK_MAX_TOKENS = 96  # --quick: 16 requests in 8 slots, outputs clipped to 96 tokens
+QUICK_MAX_TOKENS = 96  # --quick: 16 requests in 8 seats, outputs clipped to 96 tokens
 
 
 @dataclass
@@ -86,7 +86,7 @@ def make_workload(name: str, tokenizer, num_requests: int, seed: int, quick: boo
     """chapter: §2's 8 requests. longtail: prompts of ~40..200 tokens, outputs clipped to
     [8, 512]. vllm-longtail: the vLLM comparison's setting, prompts of ~40..90 tokens,
     outputs clipped to [8, 256]. nano-vllm: nano-vllm's bench.py (nano_vllm_workload).
-    --quick: at most 16 requests in 8 slots, outputs <= 96."""
+    --quick: at most 16 requests in 8 seats, outputs <= 96."""
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
     rng = np.random.default_rng(seed)

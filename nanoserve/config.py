@@ -18,7 +18,8 @@ from transformers import PretrainedConfig
 from nanoserve.sampling_params import check_field, is_int
 from nanoserve.utils import cpu
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+BATCHING = ("continuous", "static")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
 USAGE_CONTEXTS = ("llm", "server")
@@ -45,7 +46,8 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0  # CPU: memory budget of the KV cache
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU the engine may use
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # "fcfs", "priority", or "static" (§2, for comparison)
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority": the waiting queue's order (§6.1)
+    batching: str = "continuous"  # or "static": §2's static batching, for comparison
     attention_backend: str = "auto"  # "auto", "flash-attn" or "torch"
     enforce_eager: bool = False  # True: no CUDA graphs and no torch.compile (vLLM's meaning)
     torch_compile: bool | None = None  # compile the small element-wise modules; None: on CUDA
@@ -66,7 +68,7 @@ class EngineConfig:
                  f"None or an integer >= {low}")
         need(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
-        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
+        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES), ("batching", BATCHING),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("dtype", ("auto", *TORCH_DTYPES)),
                               ("usage_context", USAGE_CONTEXTS),

@@ -1,7 +1,7 @@
 """§5 without a model, and §2, §3, §6.3 step by step. `KVReadingRunner` runs a step like the
 ModelRunner (through the real `prepare_inputs`), but its "KV cache" holds token ids: written at each
-new token's slot, read back through a sampling row's block table and hashed into its next token. So
-a wrong slot, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
+new token's seat, read back through a sampling row's block table and hashed into its next token. So
+a wrong seat, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
 `simulate()` drives the real schedulers and BlockManager with it, recording each step with trace.py;
 scripts/reader/simulate.py draws the chapter's figures from that."""
 
@@ -15,10 +15,10 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import prepare_inputs
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.static_scheduler import make_scheduler
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.static_scheduler import StaticScheduler
+from nanoserve.engine.trace import Tracer
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.trace import Tracer
 
 
 def next_token(token_ids: Sequence[int], vocab_size: int = 1000) -> int:
@@ -32,14 +32,14 @@ def next_token(token_ids: Sequence[int], vocab_size: int = 1000) -> int:
 class KVReadingRunner:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
         self.block_size, self.vocab_size = block_size, vocab_size
-        self.kv: list[int | None] = [None] * (num_blocks * block_size)  # token id per slot
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)  # token id per seat
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
         inputs = prepare_inputs(out, self.block_size, torch.device("cpu"))
         meta, bs = inputs.attn_metadata, self.block_size
         positions = inputs.positions.tolist()
-        for slot, token in zip(meta.slot_mapping.tolist(), inputs.input_ids.tolist()):
-            self.kv[slot] = token
+        for seat, token in zip(meta.slot_mapping.tolist(), inputs.input_ids.tolist()):
+            self.kv[seat] = token
         cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
         sampled = {}
         for row, req in zip(inputs.sample_indices, inputs.sample_requests):
@@ -56,7 +56,7 @@ class KVReadingRunner:
                                      f"context length {context_len}")
             read = [self.kv[table[p // bs] * bs + p % bs] for p in range(context_len)]
             if None in read:
-                raise RuntimeError(f"{req.request_id} read a KV slot never written "
+                raise RuntimeError(f"{req.request_id} read a KV seat never written "
                                      f"(position {read.index(None)})")
             sampled[req.request_id] = next_token(read, self.vocab_size)
         return sampled
@@ -75,7 +75,7 @@ class SimRequest:
 @dataclass
 class Simulation:
     policy: str
-    num_slots: int
+    num_seats: int
     records: list[dict]  # the trace's step records (nanoserve/trace.py), steps 1..N
     notes: list[str]  # each preemption (victim and why) and each recompute
 
@@ -88,35 +88,37 @@ class Simulation:
         return [rec["step"] for rec in self.records if name in rec["admitted"]]
 
     def grid(self) -> list[str]:
-        """Per slot, a character per step: the request's letter while it computes, '/' an
+        """Per seat, a character per step: the request's letter while it computes, '/' an
         idle static row (§2), '!' its request was just preempted, '.' an empty seat."""
-        cells = [["."] * len(self.records) for _ in range(self.num_slots)]
+        cells = [["."] * len(self.records) for _ in range(self.num_seats)]
         for i, rec in enumerate(self.records):
             for r in rec["rows"]:
-                cells[r["slot"]][i] = "/" if r["role"] == "idle" else r["request"]
+                cells[r["seat"]][i] = "/" if r["role"] == "idle" else r["request"]
             for p in rec["preempted"]:
-                cells[p["slot"]][i] = "!"
+                cells[p["seat"]][i] = "!"
         return ["".join(row) for row in cells]
 
     def summary(self) -> str:
-        text, total = "".join(self.grid()), len(self.records) * self.num_slots
+        text, total = "".join(self.grid()), len(self.records) * self.num_seats
         useful, idle = sum(c.isalpha() for c in text), text.count("/")
-        return (f"{len(self.records)} steps x {self.num_slots} slots = {total} slot-steps: "
+        return (f"{len(self.records)} steps x {self.num_seats} seats = {total} seat-steps: "
                 f"useful {useful} ({useful / total:.2%}), idle rows {idle} "
                 f"({idle / total:.2%}), empty {total - useful - idle}")
 
 
-def simulate(jobs: list[SimRequest], policy: str = "fcfs", num_slots: int = 4,
+def simulate(jobs: list[SimRequest], policy: str = "fcfs", num_seats: int = 4,
              num_blocks: int = 256, block_size: int = 4, token_budget: int = 256,
              trace: str | None = None) -> Simulation:
     """`trace`: also append the run to this JSON-lines file (nanoserve/trace.py)."""
-    config = EngineConfig(max_num_seqs=num_slots, max_num_batched_tokens=token_budget,
-                          max_model_len=num_blocks * block_size, scheduling_policy=policy,
+    static = policy == "static"  # §2's baseline, in the chapter's FCFS order
+    config = EngineConfig(max_num_seqs=num_seats, max_num_batched_tokens=token_budget,
+                          max_model_len=num_blocks * block_size,
+                          scheduling_policy="fcfs" if static else policy,
+                          batching="static" if static else "continuous",
                           enable_prefix_caching=False)  # a preempted request recomputes all
-    sched = make_scheduler(config, num_blocks, block_size)
+    sched = (StaticScheduler if static else Scheduler)(config, num_blocks, block_size)
     runner = KVReadingRunner(num_blocks, block_size)
-    tracer = Tracer(trace or None, "static" if policy == "static" else "continuous", policy,
-                    num_slots, token_budget, num_blocks, block_size, source="simulator")
+    tracer = Tracer(trace or None, config, sched.block_manager, source="simulator")
     # Notes name the running request refused a block (it forces the preemption, §6.2).
     refused, allocate = [], sched.block_manager.allocate_slots
 
@@ -151,4 +153,4 @@ def simulate(jobs: list[SimRequest], policy: str = "fcfs", num_slots: int = 4,
             notes.append(f"step {step}: {victim} preempted: no free KV block for {needy}'s "
                          f"next token; {rule} = {victim}; to the front of waiting, KV dropped")
         refused.clear()
-    return Simulation(policy, num_slots, records, notes)
+    return Simulation(policy, num_seats, records, notes)

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from nanoserve.utils import cpu
-from nanoserve_accel import kernels
+from nanoserve_accel import kernels, plan
 from nanoserve_accel.fused import fuse_elementwise
 from nanoserve_accel.layer import fuse_layers
 from nanoserve_accel.linear import replace_linears
@@ -34,12 +31,13 @@ def optimize(runner: ModelRunner) -> None:
         return
     kernels.keep_freed_memory()  # no page faults for each step's buffers
     lib = kernels.compile_kernels()
-    replace_linears(runner.model, lib)
-    if lib is not None:
-        fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
-    if lib is not None and runner.backend.name == "torch":
+    machine = plan.Machine.probe(lib)
+    replace_linears(runner.model, lib, machine)  # the plan's GEMM for each
+    if lib is None:
+        return
+    fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
+    if runner.backend.name == "torch":
         runner.backend = with_decode_kernel(runner.backend, lib)
-        if (runner.dtype == torch.bfloat16 and kernels.has_paged_prefill(lib)
-                and "avx512_bf16" in cpu.cpu_flags()):
-            runner.backend = with_prefill_kernel(runner.backend, lib)
+        if plan.prefill_attention(machine, runner.dtype) != "torch twin":
+            runner.backend = with_prefill_kernel(runner.backend, lib, machine)
         fuse_layers(runner.model, lib)  # a decode step's layer: one C call

@@ -32,7 +32,8 @@ FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # The last int of each but store_kv (which copies bytes): 1 if bf16.
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
-            "linear": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [], "has_dot_fp32": [],
+            "linear_panels": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [],
+            "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,
             "silu_mul": [_P] * 2 + [_I] * 3, "decode_layer": [_P] * 8 + [_I, _I]}
 # Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c, csrc/attention_prefill.c),

@@ -15,12 +15,11 @@ from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.decoder import DecoderLayer
-from nanoserve_accel.amx_linear import AMX_MAX_ROWS, AmxLinear
 from nanoserve_accel.fused import FusedAttention, FusedRMSNorm, FusedSiluAndMul
-from nanoserve_accel.linear import DotFp32Linear, DotLinear, Dpbf16Linear, PackedLinear
+from nanoserve_accel.linear import CLinear
+from nanoserve_accel.plan import GEMM_KINDS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-GEMM_KINDS = {DotFp32Linear: 1, Dpbf16Linear: 2}  # csrc/layer.c's enum: packed 0, AMX 3
 
 
 class Gemm(ctypes.Structure):
@@ -39,17 +38,11 @@ class LayerArgs(ctypes.Structure):
 
 def gemm_args(linear: nn.Module) -> tuple[Gemm, int] | None:
     """The C GEMM `linear` takes and up to how many rows (None: it never takes one)."""
-    if isinstance(linear, DotLinear):  # dot fp32 or dpbf16, on the plain weight
-        kind = GEMM_KINDS[type(linear)]
-        rows = linear.below_rows - 1 if linear.onednn is not None else 1 << 30
-        return Gemm(linear.weight_ptr, linear.bias_ptr, kind, linear.n, linear.k), rows
-    if isinstance(linear, PackedLinear):
-        rows = (linear.from_rows or 1 << 30) - 1
-        return Gemm(linear.packed_ptr, linear.bias_ptr, 0, linear.n, linear.k), rows
-    if isinstance(linear, AmxLinear):
-        rows = AMX_MAX_ROWS if linear.onednn is not None else 1 << 30
-        return Gemm(linear.packed_ptr, linear.bias_ptr, 3, linear.n, linear.k), rows
-    return None
+    if not isinstance(linear, CLinear):
+        return None
+    rows = linear.max_rows if linear.max_rows is not None else 1 << 30
+    return Gemm(linear.w_ptr, linear.bias_ptr, GEMM_KINDS[linear.kernel], linear.n,
+                linear.k), rows
 
 
 class FusedDecoderLayer(nn.Module):

@@ -17,10 +17,8 @@ import torch
 
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import AttentionBackend
-from nanoserve.utils import cpu
-from nanoserve_accel import kernels
-
-DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
+from nanoserve_accel import plan
+from nanoserve_accel.fused import KERNEL_DTYPES
 
 
 def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
@@ -28,13 +26,13 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                                 block_table=None, softmax_scale=None, causal=False,
                                 flash_contract=False):
         tensors = (q, k_cache, v_cache, block_table, cache_seqlens)
-        if (q.dtype not in DTYPES or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
+        if (q.dtype not in KERNEL_DTYPES or q.shape[-1] % 8  # the kernel reads 8 lanes at a time
                 or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
-        # The twin's shape checks (all the kernel relies on); it checks lengths and ids itself.
+        # The twin's checks (the kernel checks the block ids itself).
         torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                          flash_contract, values=False)
+                                          flash_contract)
         batch, _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
@@ -43,9 +41,7 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
             block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16)
-        if bad >= 0:  # nothing was read; the twin's checks name what is wrong, else the ids are
-            torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens,
-                                              block_table, flash_contract)
+        if bad >= 0:  # nothing was read
             raise ValueError(f"block_table row {bad} holds block ids outside [0, {num_blocks})")
         return out
 
@@ -66,12 +62,13 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                                with_kvcache=flash_attn_with_kvcache, store_kvcache=store_kvcache)
 
 
-def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> AttentionBackend:
+def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL,
+                        machine: plan.Machine) -> AttentionBackend:
     """Prefill chunks through csrc/attention_prefill.c (bf16 caches, head sizes 64 and 128,
     causal, paged: what the engine sends on AVX512-BF16 CPUs); anything else, or anything the
     kernel finds out of range, goes to the twin, which computes it or names what is wrong.
     On CPUs with AMX it multiplies on the tiles."""
-    amx = int(kernels.has_amx(lib) and "amx_bf16" in cpu.cpu_flags())
+    amx = int(plan.prefill_attention(machine, torch.bfloat16) == "C, AMX tiles")
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False,

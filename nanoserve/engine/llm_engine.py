@@ -26,11 +26,11 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from nanoserve.engine.parallel_sampling import ParentRequest
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
-from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.static_scheduler import make_scheduler
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.static_scheduler import StaticScheduler
+from nanoserve.engine.trace import Tracer, trace_line
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
-from nanoserve.trace import Tracer, trace_line
 from nanoserve.utils.bundled import default_model_dir
 
 Prompt = str | list[int]
@@ -48,8 +48,10 @@ class LLM:
         self.model_runner = ModelRunner(self.config, self.model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids(hf_config)
-        self.scheduler = make_scheduler(self.config, self.model_runner.num_kv_blocks,
-                                        self.config.block_size)
+        scheduler_cls = StaticScheduler if self.config.batching == "static" else Scheduler
+        self.scheduler = scheduler_cls(self.config, self.model_runner.num_kv_blocks,
+                                       self.config.block_size)
+        self.scheduler.stop_string_in = self._stop_string_in
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
         self.tracer: Tracer | None = None  # JSON lines of every step (trace.py)
         if self.config.trace_file is not None:
@@ -168,10 +170,7 @@ class LLM:
 
     def trace_to(self, path: str, source: str = "engine") -> None:
         """Append every following step to `path` as JSON lines, a new run (trace.py)."""
-        policy, bm = self.config.scheduling_policy, self.scheduler.block_manager
-        self.tracer = Tracer(path, "static" if policy == "static" else "continuous", policy,
-                             self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                             bm.num_blocks, bm.block_size, source)
+        self.tracer = Tracer(path, self.config, self.scheduler.block_manager, source)
 
     def step(self) -> list[RequestOutput]:
         """One turn of the loop (§4): outputs of requests that finished (or were aborted), and
@@ -189,7 +188,7 @@ class LLM:
             # (A step that only preempted is progress: a request evicted itself.)
             raise RuntimeError("the scheduler could schedule nothing although requests are "
                                "pending; this is a bug (it would otherwise hang)")
-        deltas = self._detokenize(out, finished)
+        deltas = self._deltas(out)
         for parent in {id(p): p for p in self._parents.values()}.values():
             for req in parent.release():  # child 0 computed the prompt: its blocks are cached
                 self.scheduler.add_request(req)
@@ -202,21 +201,19 @@ class LLM:
         outputs, self._pending = self._pending, []
         return outputs + self._gather([self._output(r) for r in deltas + finished])
 
-    def _detokenize(self, out: SchedulerOutput, finished: list[Request]) -> list[Request]:
-        """Detokenize; a stop string finishes its request. Returns the DELTAs to output."""
+    def _stop_string_in(self, req: Request) -> bool:
+        """The scheduler's stop check asks: the new tokens' text completes a stop string."""
+        return self._detokenizers[req.request_id].update(req) is not None
+
+    def _deltas(self, out: SchedulerOutput) -> list[Request]:
+        """The running requests whose DELTA outputs this step returns, detokenized."""
         deltas = []
         for entry in out.scheduled:
             req = entry.request
-            if not entry.samples or not (d := self._detokenizers[req.request_id]).incremental:
-                continue
-            if d.update(req) and req.finish_reason != FinishReason.ERROR:  # a stop string
-                if req.is_finished:  # completed by the token that ended it: a stop, as vLLM
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    finished.append(self.scheduler.finish_request(req.request_id,
-                                                                  FinishReason.STOP))
-            elif d.delta and not req.is_finished:
-                deltas.append(req)
+            if entry.samples and (d := self._detokenizers[req.request_id]).delta:
+                d.update(req)
+                if not req.is_finished:
+                    deltas.append(req)
         return deltas
 
     def _gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -193,7 +193,7 @@ class ModelRunner:
             steps[0].scheduled.append(ScheduledRequest(request(i, n, 0), n, samples=True))
         for i in range(c.max_num_seqs):
             req = request(i, c.max_model_len, c.max_model_len - 1)
-            steps[1].scheduled.append(ScheduledRequest(req, 1, samples=True))
+            steps[1].scheduled.append(ScheduledRequest(req, 1, samples=True, is_decode=True))
         return steps
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve.config import EngineConfig
@@ -29,10 +30,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     samples: bool  # this step computes the request's last known token, so a token is sampled
-
-    @property
-    def is_decode(self) -> bool:  # the case of one new token (§6): there is no decode phase
-        return self.num_new_tokens == 1
+    # It computes the one token sampled last step (§6: a case, not a phase; a prompt's
+    # one-token chunk is prefill).
+    is_decode: bool = False
 
 
 @dataclass
@@ -63,6 +63,9 @@ class Scheduler:
         self.waiting = PriorityQueue() if config.scheduling_policy == "priority" else FCFSQueue()
         self.running: deque[Request] = deque()
         self.num_preemptions = 0
+        # Whether a request's new text completes one of its stop strings: the engine's
+        # detokenizer knows (the scheduler sees tokens only). None: no text, no stop strings.
+        self.stop_string_in: Callable[[Request], bool] | None = None
 
     def add_request(self, req: Request) -> None:
         self.waiting.push(req)
@@ -95,7 +98,7 @@ class Scheduler:
                     break
             if not allocated:
                 break  # it evicted itself: the running loop ends here, as in vLLM V1
-            self._schedule(req, num_new, out)
+            self._add_to_output(req, num_new, out)
             token_budget -= num_new
 
         # 3. Waiting requests, only if nothing was preempted this step.
@@ -115,7 +118,7 @@ class Scheduler:
             self.waiting.pop()
             self._start_running(req, num_cached)
             out.admitted.append(req)
-            self._schedule(req, num_new, out)
+            self._add_to_output(req, num_new, out)
             token_budget -= num_new
         return out
 
@@ -130,10 +133,12 @@ class Scheduler:
         self.running.append(req)
 
     @staticmethod
-    def _schedule(req: Request, num_new: int, out: SchedulerOutput) -> None:
-        """The one place that decides if a row samples: when it reaches the last known token."""
+    def _add_to_output(req: Request, num_new: int, out: SchedulerOutput) -> None:
+        """The one place that decides if a row samples (when it reaches the last known token)
+        and if it decodes."""
         samples = req.num_computed_tokens + num_new == req.num_tokens
-        out.scheduled.append(ScheduledRequest(req, num_new, samples))
+        decode = num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+        out.scheduled.append(ScheduledRequest(req, num_new, samples, decode))
 
     def _pick_victim(self) -> Request:
         """§6.3. FCFS: the last to join `running`. PRIORITY: least important, latest arrival."""
@@ -189,8 +194,11 @@ class Scheduler:
         return finished
 
     def _check_stop(self, req: Request) -> FinishReason | None:
+        """EOS, a stop token or a stop string (vLLM's order: before the length limits)."""
         params, last = req.sampling_params, req.token_ids[-1]
         if (not params.ignore_eos and last in req.eos_token_ids) or last in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.stop and self.stop_string_in is not None and self.stop_string_in(req):
             return FinishReason.STOP
         if (req.num_output_tokens >= params.max_tokens
                 or req.num_tokens >= self.max_model_len_in_cache):

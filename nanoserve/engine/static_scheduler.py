@@ -66,8 +66,3 @@ class StaticScheduler(Scheduler):
                 return None
         return super().finish_request(request_id, reason)
 
-
-def make_scheduler(config: EngineConfig, num_kv_blocks: int, block_size: int) -> Scheduler:
-    """The scheduler the policy names: this baseline, or vLLM V1's (FCFS, PRIORITY)."""
-    cls = StaticScheduler if config.scheduling_policy == "static" else Scheduler
-    return cls(config, num_kv_blocks, block_size)

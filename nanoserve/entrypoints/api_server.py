@@ -168,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        ("max-num-batched-tokens", int), ("max-model-len", int),
                        ("block-size", int), ("num-kv-blocks", int),
                        ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
-                       ("scheduling-policy", str), ("attention-backend", str), ("seed", int),
+                       ("scheduling-policy", str), ("batching", str),
+                       ("attention-backend", str), ("seed", int),
                        ("trace-file", str)):
         p.add_argument(f"--{flag}", type=kind, default=None)
     for flag in ("enable-prefix-caching", "enable-chunked-prefill"):
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                     "block_size", "num_kv_blocks", "kv_cache_memory_gib",
-                    "long_prefill_token_threshold", "scheduling_policy", "attention_backend",
+                    "long_prefill_token_threshold", "scheduling_policy", "batching",
+                    "attention_backend",
                     "seed", "enable_prefix_caching", "enable_chunked_prefill",
                     "enforce_eager")
     config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}

@@ -92,9 +92,8 @@ def flash_attn_varlen_func(
 
 
 def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                      flash_contract, values: bool = True) -> None:
-    """flash_attn_with_kvcache's contract, shared with cpu_attention.py's kernel (which checks
-    the lengths and block ids itself, `values=False`, unless it found one wrong)."""
+                      flash_contract) -> None:
+    """flash_attn_with_kvcache's contract (the lengths too, on a CPU: on a GPU, a sync)."""
     _require(k is None and v is None,
              "the torch twin reads K/V already in the cache; pass k=None, v=None")
     _require(block_table is not None and cache_seqlens is not None,
@@ -108,7 +107,7 @@ def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                          f"and q's head_dim {head_dim} do not match")
     if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
         raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
-    if values and cache_seqlens.device.type == "cpu":  # elsewhere: a GPU sync
+    if cache_seqlens.device.type == "cpu":
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
             raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
-
 # The flags every benchmark prints beside its figures: they decide which path is fastest.
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
@@ -27,7 +25,7 @@ def cpu_flags() -> frozenset[str]:
 def has_native_bf16() -> bool:
     """bf16 matmuls at bf16 speed (AMX or AVX512-BF16, vLLM's CPU check); without them torch
     widens bf16 to fp32 and runs slower than fp32."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def describe() -> str:

@@ -1,14 +1,13 @@
 """All of a decode step's linear layers (30 layers of SmolLM2-135M's shapes + lm_head, each with
 its own weights, so they stream from memory as in a real step), at M rows, in fp32 and bf16:
-nanoserve's C GEMM (accel/csrc/linear.c, packed panels), its AVX512-BF16 GEMM for bf16
-(accel/csrc/dpbf16.c, on the plain weights) and its AMX GEMM (accel/csrc/amx.c, on tile-packed
-weights), its AVX-512 GEMM for fp32 (accel/csrc/dot_fp32.c, on the plain weights), each at every
-row count here (no handover), torch's oneDNN
-GEMM on pre-packed weights, and plain `F.linear`; and which one the default path takes on this CPU
-(accel/linear.py `linear_kind`). Interleaved rounds; medians.
+nanoserve's C GEMM (csrc/linear.c, packed panels), its AVX512-BF16 GEMM for bf16 (csrc/dpbf16.c,
+on the plain weights) and its AMX GEMM (csrc/amx.c, on tile-packed weights), its AVX-512 GEMM for
+fp32 (csrc/dot_fp32.c, on the plain weights), each at every row count here (no handover), torch's
+oneDNN GEMM on pre-packed weights, and plain `F.linear`; and which one the plan (plan.py) gives
+this CPU. Interleaved rounds; medians.
 
-    python scripts/bench/gemm_compare.py                       # both dtypes, 1/16/64/256 rows
-    python scripts/bench/gemm_compare.py --rows 1,4 --dtypes bfloat16
+    python nanoserve_accel/bench/gemm_compare.py               # both dtypes, 1/16/64/256 rows
+    python nanoserve_accel/bench/gemm_compare.py --rows 1,4 --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -22,29 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.utils import cpu
-from nanoserve_accel.amx_linear import AMX_MAX_ROWS, AmxLinear
+from nanoserve_accel import plan
 from nanoserve_accel.kernels import compile_kernels, has_amx, has_dot_fp32, has_dpbf16
 from nanoserve_accel.linear import (
-    DOT_FP32_BELOW_ROWS,
-    DPBF16_BELOW_ROWS,
+    AmxLinear,
     DotFp32Linear,
-    DotLinear,
     Dpbf16Linear,
     OneDNNLinear,
-    PackedLinear,
-    linear_kind,
-    onednn_from_rows,
+    PanelsLinear,
 )
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-NAMES = {"c": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM", "amx": "AMX GEMM",
-         "dot_fp32": "dot fp32 GEMM"}
-
-
-def kernel_only(cls: type[DotLinear], linear: nn.Linear, lib) -> DotLinear:
-    module = cls(linear, lib)
-    module.onednn = None  # the kernel itself at every row count
-    return module
+NAMES = {"panels": "C GEMM", "onednn": "oneDNN packed", "dpbf16": "dpbf16 GEMM",
+         "amx": "AMX GEMM", "dot_fp32": "dot fp32 GEMM", "torch": "F.linear"}
 
 
 def main() -> None:
@@ -57,6 +46,7 @@ def main() -> None:
     print(f"{cpu.describe()}, torch threads {torch.get_num_threads()}, median of "
           f"{args.repeats} interleaved rounds, ms for all of one step's linears")
     amx = has_amx(lib)  # every LAYER shape fits its tiles
+    machine = plan.Machine.probe(lib)
     print("| dtype | rows | C GEMM ms | dpbf16 GEMM ms | AMX GEMM ms | dot fp32 GEMM ms | "
           "oneDNN packed ms | F.linear ms | default path takes |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -64,16 +54,17 @@ def main() -> None:
         torch.manual_seed(0)
         linears = [nn.Linear(k, n, bias=False).requires_grad_(False).to(dtype)
                    for n, k in LAYER * 30 + [(49152, 576)]]
-        ways = {"onednn": [OneDNNLinear(lin) for lin in linears],
-                "plain": [lambda x, w=lin.weight: F.linear(x, w) for lin in linears]}
+        ways = {"plain": [lambda x, w=lin.weight: F.linear(x, w) for lin in linears]}
+        if dtype in machine.onednn:
+            ways["onednn"] = [OneDNNLinear(lin) for lin in linears]
         if lib is not None:
-            ways["c"] = [PackedLinear(lin, lib) for lin in linears]
+            ways["panels"] = [PanelsLinear(lin, lib) for lin in linears]  # no handover
         if dtype == torch.bfloat16 and has_dpbf16(lib):
-            ways["dpbf16"] = [kernel_only(Dpbf16Linear, lin, lib) for lin in linears]
+            ways["dpbf16"] = [Dpbf16Linear(lin, lib) for lin in linears]
         if dtype == torch.bfloat16 and amx:
-            ways["amx"] = [AmxLinear(lin, lib, None) for lin in linears]  # no handover
+            ways["amx"] = [AmxLinear(lin, lib) for lin in linears]
         if dtype == torch.float32 and has_dot_fp32(lib):
-            ways["dot_fp32"] = [kernel_only(DotFp32Linear, lin, lib) for lin in linears]
+            ways["dot_fp32"] = [DotFp32Linear(lin, lib) for lin in linears]
         for rows in (int(r) for r in args.rows.split(",")):
             x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
             times: dict[str, list[float]] = {name: [] for name in ways}
@@ -84,19 +75,12 @@ def main() -> None:
                         m(x[lin.in_features])
                     times[name].append(time.perf_counter() - t)
             ms = {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
-            c, dp, am, dot = (f"{ms[w]:.1f}" if w in ms else "-"
-                              for w in ("c", "dpbf16", "amx", "dot_fp32"))
-            took = NAMES[linear_kind(dtype, lib is not None, has_dpbf16(lib), amx,
-                                     dot_fp32=has_dot_fp32(lib))]
-            if took == NAMES["c"] and rows >= (onednn_from_rows(dtype) or rows + 1):
-                took = NAMES["onednn"]  # PackedLinear hands large batches over
-            if took == NAMES["dpbf16"] and rows >= DPBF16_BELOW_ROWS:
-                took = NAMES["onednn"]  # so does Dpbf16Linear
-            if took == NAMES["amx"] and rows > AMX_MAX_ROWS:
-                took = NAMES["onednn"]  # and AmxLinear
-            if took == NAMES["dot_fp32"] and rows >= DOT_FP32_BELOW_ROWS:
-                took = NAMES["onednn"]  # and DotFp32Linear
-            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {am} | {dot} | {ms['onednn']:.1f} | "
+            c, dp, am, dot, one = (f"{ms[w]:.1f}" if w in ms else "-"
+                                   for w in ("panels", "dpbf16", "amx", "dot_fp32", "onednn"))
+            g = plan.gemm(machine, dtype, 576, 576)
+            took = NAMES[g.beyond if g.max_rows is not None and rows > g.max_rows
+                         else g.kernel]
+            print(f"| {str(dtype)[6:]} | {rows} | {c} | {dp} | {am} | {dot} | {one} | "
                   f"{ms['plain']:.1f} | {took} |", flush=True)
 
 

@@ -7,7 +7,7 @@ decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of
 "attention" = full step - step without attention (the decode kernel and the C cache write);
 "GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
 residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
-Only the C GEMMs of PackedLinear and DotFp32Linear are replaced: where the fast path takes oneDNN
+Only the C GEMMs of PanelsLinear and DotFp32Linear are replaced: where the fast path takes oneDNN
 (bf16 on native-bf16 CPUs, fp32 from 64 rows on AVX-512) or the dpbf16 GEMM, its GEMMs stay in
 "the rest"; use gemm_compare.py for those.
 """
@@ -27,7 +27,7 @@ from step_times import decode_batch, make_runner
 
 from nanoserve.layers.attention import get_backend
 from nanoserve_accel import kernels, paged_attention
-from nanoserve_accel.linear import DotFp32Linear, PackedLinear
+from nanoserve_accel.linear import DotFp32Linear, PanelsLinear
 
 
 def no_op_library(directory: str) -> ctypes.CDLL:
@@ -57,7 +57,7 @@ def main() -> None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
     runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
     twin = get_backend("torch")
-    linears = [m for m in runner.model.modules() if isinstance(m, (PackedLinear, DotFp32Linear))]
+    linears = [m for m in runner.model.modules() if isinstance(m, (PanelsLinear, DotFp32Linear))]
     with tempfile.TemporaryDirectory() as tmp:
         noop = no_op_library(tmp)
         variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
@@ -72,7 +72,7 @@ def main() -> None:
                     for layer in runner.attn_layers:
                         layer.backend = backend
                     for linear in linears:
-                        linear.gemm = (gemm_lib.linear if isinstance(linear, PackedLinear)
+                        linear.gemm = (gemm_lib.linear_panels if isinstance(linear, PanelsLinear)
                                        else gemm_lib.linear_dot_fp32)
                     t = time.perf_counter()
                     runner.execute_model(out)

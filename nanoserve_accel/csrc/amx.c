@@ -95,7 +95,7 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
 }
 
 /* Passes of up to 64 rows (one pass at decode batch sizes: W read once per call); in each, one
- * task per column group, "guided" handing out runs of adjacent groups, as linear() does. Each
+ * task per column group, "guided" handing out runs of adjacent groups, as linear_panels() does. Each
  * thread configures its own tiles and releases them at the end (else the kernel saves 8 KB of
  * tile state at every context switch). */
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K) {

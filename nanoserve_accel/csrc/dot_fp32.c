@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void dot_columns(
 }
 
 /* One task per group of COLS adjacent columns (COLS rows of W, contiguous); "guided" hands out
- * runs of adjacent groups, as linear() does. The last N % COLS columns one at a time (a handful
+ * runs of adjacent groups, as linear_panels() does. The last N % COLS columns one at a time (a handful
  * per layer, and only where N is not a multiple of 4). */
 void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
                      int K) {

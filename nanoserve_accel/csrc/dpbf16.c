@@ -77,7 +77,7 @@ static void dot_column(const uint16_t* x, const uint16_t* w, const uint16_t* bia
 
 /* One task per group of COLS adjacent columns (COLS rows of W, contiguous); within it, blocks
  * of up to MAX_ROWS rows, the group's weights read again from L1 for each block after the
- * first. "guided" hands out runs of adjacent groups, as linear() does. */
+ * first. "guided" hands out runs of adjacent groups, as linear_panels() does. */
 void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M,
                    int K) {
   const int groups = N / COLS;

@@ -6,10 +6,10 @@
  * The same kernels the fast path's modules call one at a time (so the same values), called here
  * in a row: a decode row's layer is a dozen small calls, and from Python each pays its own
  * dispatch, argument conversion and output allocation, which at one row added up to about a
- * tenth of the step (accel/layer.py). Only for steps where every row decodes one token and
+ * tenth of the step (layer.py). Only for steps where every row decodes one token and
  * every linear of the layer takes a C GEMM at that row count; else the modules run. */
 
-void linear(const void* x, const void* w, const void* bias, void* y, int N, int M, int K,
+void linear_panels(const void* x, const void* w, const void* bias, void* y, int N, int M, int K,
             int bf16);
 void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, float eps,
               int bf16);
@@ -32,8 +32,8 @@ void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int 
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
 #endif
 
-/* Which C GEMM a linear takes (accel/linear.py's modules, their `c_kind`). */
-enum { GEMM_PACKED = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3 };
+/* Which C GEMM a linear takes: plan.GEMM_KINDS (a test holds the two equal). */
+enum { GEMM_PANELS = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3 };
 
 struct gemm {
   const void* w;    /* the module's weight in its kernel's layout */
@@ -53,7 +53,7 @@ struct layer {
 /* y [M, g->n] = x [M, g->k] W^T (+ bias); 0, or -1 for a kind this library was not built with. */
 static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
   switch (g->kind) {
-    case GEMM_PACKED: linear(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
+    case GEMM_PANELS: linear_panels(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
 #ifdef __AVX512F__
     case GEMM_DOT_FP32: linear_dot_fp32(x, g->w, g->bias, y, g->n, M, g->k); return 0;
 #endif

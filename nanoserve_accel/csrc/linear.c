@@ -12,7 +12,7 @@ static inline __attribute__((always_inline)) void gemm_k(
     const int ROWS, const int bf16) {
   const vec8 w0 = load8(w, panel + k * 16, bf16), w1 = load8(w, panel + k * 16 + 8, bf16);
   for (int i = 0; i < ROWS; ++i) {
-    const float xi = ((const float*)x)[row[i] + k]; /* x: float32 here, see linear() */
+    const float xi = ((const float*)x)[row[i] + k]; /* x: float32 here, see linear_panels() */
     acc[i][0] += xi * w0;
     acc[i][1] += xi * w1;
   }
@@ -60,8 +60,8 @@ static inline int block_rows(int left) { return left % 6 && left >= 5 ? 5 : 6; }
  * dtype) are constants in each call below. A lone decode row takes the 1-row block: the 6-row
  * one would multiply it six times. "guided" hands out runs of adjacent panels, shrinking at the
  * end, so a core that a VM's host slows for a while is not waited for. */
-void linear(const void* x_in, const void* w, const void* bias, void* y, int N, int M, int K,
-            int bf16) {
+void linear_panels(const void* x_in, const void* w, const void* bias, void* y, int N, int M, int K,
+                   int bf16) {
   int passes = 0;
   for (int m0 = 0; m0 < M; m0 += block_rows(M - m0)) ++passes;
   /* bf16: x widened to float32 once here, not once per panel. */

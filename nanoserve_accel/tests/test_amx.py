@@ -8,15 +8,17 @@ import torch
 from torch import nn
 
 from nanoserve_accel import kernels
-from nanoserve_accel.amx_linear import AMX_MAX_ROWS, AmxLinear, amx_fits, pack_tiles
 from nanoserve_accel.linear import (
+    AmxLinear,
     DotFp32Linear,
     Dpbf16Linear,
     OneDNNLinear,
-    PackedLinear,
-    onednn_takes,
+    PanelsLinear,
+    amx_fits,
+    pack_tiles,
     replace_linears,
 )
+from nanoserve_accel.plan import AMX_MAX_ROWS, onednn_runs
 from nanoserve_accel.tests.test_linear import (
     LIB,
     bf16_reference,
@@ -87,7 +89,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 @needs_amx
 def test_amx_linear_hands_larger_batches_to_onednn():
     linear = bf16_linear(64, 32)
-    module = AmxLinear(linear, LIB, OneDNNLinear(linear))
+    module = AmxLinear(linear, LIB, AMX_MAX_ROWS)
     handed = []
     onednn_forward = module.onednn.forward
     module.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
@@ -126,8 +128,8 @@ def test_only_an_amx_cpu_with_an_amx_library_gets_the_amx_gemm(fake_cpu, kind, b
     model = nn.Sequential(bf16_linear(64, 32), bf16_linear(40, 32))  # K = 40: not the tiles'
     replace_linears(model, lib)
     amx = kind == "amx" and built and granted
-    onednn = OneDNNLinear if onednn_takes(torch.bfloat16) else PackedLinear  # (this machine's)
-    others = {"avx2": PackedLinear, "avx512_bf16": Dpbf16Linear if kernels.has_dpbf16(LIB)
+    onednn = OneDNNLinear if onednn_runs(torch.bfloat16) else PanelsLinear  # (this machine's)
+    others = {"avx2": PanelsLinear, "avx512_bf16": Dpbf16Linear if kernels.has_dpbf16(LIB)
               else onednn}
     others["amx"] = others["avx512_bf16"]
     assert type(model[0]) is (AmxLinear if amx else others[kind])
@@ -135,7 +137,7 @@ def test_only_an_amx_cpu_with_an_amx_library_gets_the_amx_gemm(fake_cpu, kind, b
     fp32 = nn.Sequential(nn.Linear(64, 32))
     replace_linears(fp32, lib)  # fp32 never takes the AMX GEMM
     wide = kind != "avx2" and kernels.has_dot_fp32(LIB)
-    assert type(fp32[0]) is (DotFp32Linear if wide else PackedLinear)
+    assert type(fp32[0]) is (DotFp32Linear if wide else PanelsLinear)
 
 
 @needs_amx

@@ -8,12 +8,12 @@ from torch import nn
 
 from nanoserve_accel import kernels
 from nanoserve_accel.linear import (
-    DOT_FP32_BELOW_ROWS,
     DotFp32Linear,
     OneDNNLinear,
-    PackedLinear,
+    PanelsLinear,
     replace_linears,
 )
+from nanoserve_accel.plan import DOT_FP32_MAX_ROWS
 
 LIB = kernels.compile_kernels()
 # The compiled code follows the real machine (-march=native), whatever CPU the probe is faked as.
@@ -84,15 +84,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 @needs_dot_fp32
 def test_dot_fp32_hands_larger_batches_to_onednn():
     linear = nn.Linear(40, 32).requires_grad_(False)
-    module = DotFp32Linear(linear, LIB)
+    module = DotFp32Linear(linear, LIB, DOT_FP32_MAX_ROWS)
     handed = []
     onednn_forward = module.onednn.forward
     module.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
     with torch.inference_mode():
-        for rows in (DOT_FP32_BELOW_ROWS - 1, DOT_FP32_BELOW_ROWS):
+        for rows in (DOT_FP32_MAX_ROWS, DOT_FP32_MAX_ROWS + 1):
             x = torch.randn(rows, 40)
             torch.testing.assert_close(module(x), reference(x, linear), atol=1e-5, rtol=1e-5)
-    assert handed == [DOT_FP32_BELOW_ROWS]
+    assert handed == [DOT_FP32_MAX_ROWS + 1]
 
 
 class LibBuiltFor:
@@ -122,4 +122,4 @@ def test_fp32_gets_the_dot_gemm_only_on_avx512_with_a_library_built_for_it(
     if kind != "avx2" and built_with_dot_fp32:
         assert [type(m) for m in model] == [DotFp32Linear, DotFp32Linear]
     else:
-        assert [type(m) for m in model] == [PackedLinear, OneDNNLinear]
+        assert [type(m) for m in model] == [PanelsLinear, OneDNNLinear]

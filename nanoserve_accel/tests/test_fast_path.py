@@ -17,14 +17,13 @@ from nanoserve import LLM
 from nanoserve.engine import model_runner
 from nanoserve.engine.model_runner import fast_paths, prepare_inputs
 from nanoserve.utils import cpu
-from nanoserve_accel import kernels, optimize
-from nanoserve_accel.amx_linear import AmxLinear
+from nanoserve_accel import kernels, optimize, plan
 from nanoserve_accel.linear import (
+    AmxLinear,
     DotFp32Linear,
     Dpbf16Linear,
     OneDNNLinear,
-    PackedLinear,
-    linear_kind,
+    PanelsLinear,
 )
 from tests.common.tiny_model import tiny_model_dir
 
@@ -53,7 +52,7 @@ def test_a_plugin_that_fails_to_load_leaves_the_plain_path(monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "entry_points", lambda group: [Broken()])
     llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
     assert llm.model_runner.fast_paths == [] and "did not load" in caplog.text
-    assert not any(isinstance(m, (PackedLinear, OneDNNLinear, DotFp32Linear))
+    assert not any(isinstance(m, (PanelsLinear, OneDNNLinear, DotFp32Linear))
                    for m in llm.model_runner.model.modules())
     assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].token_ids
 
@@ -72,9 +71,8 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
     linears = [m for name, m in runner.model.named_modules()
                if name.endswith("_proj") or name == "lm_head"]
     lib = kernels.compile_kernels()  # the tiny model's shapes all fit the AMX GEMM's tiles
-    kind = linear_kind(runner.dtype, True, kernels.has_dpbf16(lib), kernels.has_amx(lib),
-                       dot_fp32=kernels.has_dot_fp32(lib))
-    expected = {"c": PackedLinear, "onednn": OneDNNLinear, "dpbf16": Dpbf16Linear,
+    kind = plan.gemm(plan.Machine.probe(lib), runner.dtype, 64, 64).kernel
+    expected = {"panels": PanelsLinear, "onednn": OneDNNLinear, "dpbf16": Dpbf16Linear,
                 "amx": AmxLinear, "dot_fp32": DotFp32Linear}[kind]
     assert len(linears) == 4 * 2 + 1 and {type(m) for m in linears} == {expected}  # merged
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
@@ -91,7 +89,7 @@ def test_without_fast_paths_the_model_is_the_plain_one(freed_memory_calls):
     llm = LLM(tiny_model_dir(), dtype="float32", enable_fast_paths=False, num_kv_blocks=8,
               skip_tokenizer_init=True)
     runner = llm.model_runner
-    fast = (PackedLinear, OneDNNLinear, DotFp32Linear)
+    fast = (PanelsLinear, OneDNNLinear, DotFp32Linear)
     assert not any(isinstance(m, fast) for m in runner.model.modules())
     assert runner.backend.name == "torch" and freed_memory_calls == []
 

@@ -1,7 +1,7 @@
-"""The fast path's linears: the C GEMM (csrc/linear.c), the AVX512-BF16 GEMM (csrc/dpbf16.c, where
-the library was built with it) and oneDNN's pre-packed GEMM compute what nn.Linear computes, in
-fp32 and bf16; which one a CPU gets, and dtype="auto", follow the CPU probe (faked here for each
-kind of CPU)."""
+"""The fast path's linears: the C GEMM on panels (csrc/linear.c), the AVX512-BF16 GEMM
+(csrc/dpbf16.c, where the library was built with it) and oneDNN's pre-packed GEMM compute what
+nn.Linear computes, in fp32 and bf16; which one a CPU gets, and dtype="auto", follow the CPU
+probe (faked here for each kind of CPU)."""
 
 import pytest
 import torch
@@ -10,15 +10,9 @@ from torch import nn
 from nanoserve import config
 from nanoserve.utils import cpu
 from nanoserve_accel import kernels
-from nanoserve_accel.linear import (
-    DPBF16_BELOW_ROWS,
-    ONEDNN_FROM_ROWS,
-    Dpbf16Linear,
-    OneDNNLinear,
-    PackedLinear,
-    onednn_takes,
-    replace_linears,
-)
+from nanoserve_accel.linear import Dpbf16Linear, OneDNNLinear, PanelsLinear, replace_linears
+from nanoserve_accel.plan import DPBF16_MAX_ROWS, PANELS_MAX_ROWS
+from nanoserve_accel.plan import onednn_runs as onednn_takes
 
 LIB = kernels.compile_kernels()
 needs_compiler = pytest.mark.skipif(LIB is None, reason="no C compiler here")
@@ -28,10 +22,8 @@ needs_dpbf16 = pytest.mark.skipif(not kernels.has_dpbf16(LIB),
 
 
 def dpbf16_only(linear: nn.Linear) -> Dpbf16Linear:
-    """The dpbf16 GEMM at every row count: no handover to oneDNN."""
-    module = Dpbf16Linear(linear, LIB)
-    module.onednn = None
-    return module
+    """The dpbf16 GEMM at every row count: no handover to oneDNN (max_rows None)."""
+    return Dpbf16Linear(linear, LIB)
 
 
 def bf16_reference(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -47,7 +39,7 @@ def test_packed_linear_matches_linear(rows, bias):
     linear = nn.Linear(40, 96, bias=bias).requires_grad_(False)
     x = torch.randn(rows, 40)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear, LIB)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(PanelsLinear(linear, LIB)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 @needs_compiler
@@ -57,7 +49,7 @@ def test_packed_linear_bf16_and_leading_dims(leading):
     linear = nn.Linear(64, 48, bias=True).requires_grad_(False).to(torch.bfloat16)
     x = torch.randn(*leading, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        got = PackedLinear(linear, LIB)(x)
+        got = PanelsLinear(linear, LIB)(x)
         expected = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)
     assert got.shape == (*leading, 48) and got.dtype == torch.bfloat16
     # Both round one float32 sum to bf16; the sums differ only in their order.
@@ -103,20 +95,20 @@ def check_bf16_inputs(module: nn.Module, linear: nn.Linear, x: torch.Tensor) -> 
 @needs_dpbf16
 def test_dpbf16_linear_hands_larger_batches_to_onednn():
     linear = nn.Linear(40, 32).requires_grad_(False).to(torch.bfloat16)
-    module = Dpbf16Linear(linear, LIB)
+    module = Dpbf16Linear(linear, LIB, DPBF16_MAX_ROWS)
     handed = []
     onednn_forward = module.onednn.forward
     module.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
     with torch.inference_mode():
-        for rows in (DPBF16_BELOW_ROWS - 1, DPBF16_BELOW_ROWS):
+        for rows in (DPBF16_MAX_ROWS, DPBF16_MAX_ROWS + 1):
             x = torch.randn(rows, 40).to(torch.bfloat16)
             torch.testing.assert_close(module(x), bf16_reference(x, linear), atol=2e-2, rtol=2e-2)
-    assert handed == [DPBF16_BELOW_ROWS]
+    assert handed == [DPBF16_MAX_ROWS + 1]
 
 
 def gemms_under_test(dtype: torch.dtype) -> list:
     linear = nn.Linear(64, 96, bias=True).requires_grad_(False).to(dtype)
-    gemms = [PackedLinear(linear, LIB)]
+    gemms = [PanelsLinear(linear, LIB)]
     if dtype == torch.bfloat16 and kernels.has_dpbf16(LIB):
         gemms.append(dpbf16_only(linear))
     return gemms
@@ -188,14 +180,14 @@ def test_each_cpu_gets_its_faster_gemm(fake_cpu, kind, built_with_dpbf16):
     fp32 = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 32)),
                          nn.Linear(32, 20))  # 20 outputs: not a multiple of 16
     replace_linears(fp32, lib)
-    assert [type(m) for m in (fp32[0], fp32[1][1], fp32[2])] == [PackedLinear, PackedLinear,
+    assert [type(m) for m in (fp32[0], fp32[1][1], fp32[2])] == [PanelsLinear, PanelsLinear,
                                                                   OneDNNLinear]
     bf16 = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 20)).to(torch.bfloat16)
     replace_linears(bf16, lib)
     # oneDNN's bf16 needs AVX512-BW/VL/DQ, which this machine has or not whatever the fake says.
     onednn = OneDNNLinear if onednn_takes(torch.bfloat16) else None
     bf16_gemm = Dpbf16Linear if native_bf16 and built_with_dpbf16 else onednn
-    assert type(bf16[0]) is ((bf16_gemm or PackedLinear) if native_bf16 else PackedLinear)
+    assert type(bf16[0]) is ((bf16_gemm or PanelsLinear) if native_bf16 else PanelsLinear)
     assert type(bf16[1]) is (Dpbf16Linear if bf16_gemm is Dpbf16Linear else onednn or nn.Linear)
     fp16 = nn.Sequential(nn.Linear(8, 16)).to(torch.float16)
     replace_linears(fp16, LIB)
@@ -221,18 +213,21 @@ def test_the_real_probe_answers():
 @needs_compiler
 @pytest.mark.parametrize("kind", ["avx2", "amx"])
 def test_fp32_hands_large_batches_to_onednn_where_the_cpu_has_avx512(fake_cpu, kind):
+    """The plan's fp32 panels (a library without the dot GEMM): oneDNN from 64 rows on AVX-512."""
     fake_cpu(kind)
     linear = nn.Linear(40, 32).requires_grad_(False)
-    packed = PackedLinear(linear, LIB)
-    assert (packed.onednn is not None) == (kind == "amx")
+    model = nn.Sequential(linear)
+    replace_linears(model, LibBuiltFor(False))
+    packed = model[0]
+    assert type(packed) is PanelsLinear and (packed.onednn is not None) == (kind == "amx")
     handed = []
     if packed.onednn is not None:
         onednn_forward = packed.onednn.forward
         packed.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
     with torch.inference_mode():
-        for rows in (ONEDNN_FROM_ROWS - 1, ONEDNN_FROM_ROWS):
+        for rows in (PANELS_MAX_ROWS, PANELS_MAX_ROWS + 1):
             x = torch.randn(rows, 40)
             torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
-    assert handed == ([ONEDNN_FROM_ROWS] if kind == "amx" else [])
-    bf16 = PackedLinear(nn.Linear(40, 32).to(torch.bfloat16), LIB)
+    assert handed == ([PANELS_MAX_ROWS + 1] if kind == "amx" else [])
+    bf16 = PanelsLinear(nn.Linear(40, 32).to(torch.bfloat16), LIB)
     assert bf16.onednn is None  # bf16 without native units: the C GEMM at every size

@@ -45,7 +45,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import cpu
 from nanoserve.utils.bundled import default_model_dir
 from nanoserve_accel.kernels import compile_kernels
-from nanoserve_accel.linear import PackedLinear
+from nanoserve_accel.linear import PanelsLinear
 
 
 def decode_batch(runner: ModelRunner, rows: int, context: int):
@@ -61,8 +61,8 @@ def decode_batch(runner: ModelRunner, rows: int, context: int):
         req.block_table = [j * rows + i for j in range(blocks)]
         req.num_computed_tokens, req.status = context, RequestStatus.RUNNING
         reqs.append(req)
-    return sched.SchedulerOutput(scheduled=[sched.ScheduledRequest(r, 1, True) for r in reqs],
-                                 token_budget=rows)
+    rows = [sched.ScheduledRequest(r, 1, True, is_decode=True) for r in reqs]
+    return sched.SchedulerOutput(scheduled=rows, token_budget=len(rows))
 
 
 def make_runner(dtype: str, rows: int, context: int, block_size: int | None = None,
@@ -93,11 +93,11 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
             return torch.ops.mkldnn._linear_pointwise(h, p2, None, "none", [], "")
         ways["packed"] = packed
     if lib := compile_kernels():
-        def packed_c(w: torch.Tensor) -> PackedLinear:  # the weights first: packed from them
+        def packed_c(w: torch.Tensor) -> PanelsLinear:  # the weights first: packed from them
             linear = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
             linear.requires_grad_(False)
             linear.weight.copy_(w)
-            return PackedLinear(linear, lib)
+            return PanelsLinear(linear, lib)
         c1, c2 = packed_c(w1), packed_c(w2)  # at 256 rows fp32 on AVX-512: oneDNN's handover
         ways["nanoserve"] = lambda: c2(c1(x))
     best, fastest, flops = float("inf"), None, 2 * 2 * 256 * 576 * 1536

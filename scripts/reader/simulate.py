@@ -7,9 +7,9 @@ static batching above continuous batching, as text grids and as PNG pictures.
     python scripts/reader/simulate.py all --png-dir docs          # the four figures of the README
     python scripts/reader/trace_page.py chapter3.jsonl            # explore the trace in a browser
 
-Text grid: one row per slot (a seat in the batch), one column per step (or per 10 steps):
+Text grid: one row per seat (a seat in the batch), one column per step (or per 10 steps):
 the request's letter while it computes, '/' a finished static row still computed for
-nothing ("slot quay không"), '!' the seat of a request just preempted, '.' an empty seat.
+nothing ("seat quay không"), '!' the seat of a request just preempted, '.' an empty seat.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from nanoserve.simulator import SimRequest, Simulation, simulate
 
-# The chapter's figures: jobs (name, prompt length, output length, arrival step), slots,
+# The chapter's figures: jobs (name, prompt length, output length, arrival step), seats,
 # KV blocks of 4 tokens, and what the figure shows.
 FIGURES: dict[str, tuple[list[SimRequest], int, int, str]] = {
     "chapter2": ([SimRequest("A", 4, 20), SimRequest("B", 4, 500), SimRequest("C", 4, 100)], 3, 256,
@@ -30,7 +30,7 @@ FIGURES: dict[str, tuple[list[SimRequest], int, int, str]] = {
     "chapter3": ([SimRequest("A", 4, 3), SimRequest("B", 4, 10), SimRequest("C", 4, 5),
                   SimRequest("D", 4, 7), SimRequest("E", 4, 5, 2), SimRequest("F", 4, 4, 3),
                   SimRequest("G", 4, 6, 4)], 4, 256,
-                 "§3: 4 slots; A-D arrive together, E, F, G later; B ends at step 10"),
+                 "§3: 4 seats; A-D arrive together, E, F, G later; B ends at step 10"),
     "preemption": ([SimRequest("A", 4, 6), SimRequest("B", 4, 9), SimRequest("C", 4, 8),
                     SimRequest("D", 4, 4, 2)], 3, 6,
                    "§6.3: a KV pool of 6 blocks of 4 tokens; D arrives at step 2"),
@@ -39,8 +39,8 @@ FIGURES: dict[str, tuple[list[SimRequest], int, int, str]] = {
 
 def run_figure(name: str, trace: str | None = None) -> list[Simulation]:
     """The figure's jobs under static batching (§2), then continuous batching (FCFS, §3)."""
-    jobs, slots, blocks, _ = FIGURES[name]
-    return [simulate(jobs, policy, slots, blocks, trace=trace) for policy in ("static", "fcfs")]
+    jobs, seats, blocks, _ = FIGURES[name]
+    return [simulate(jobs, policy, seats, blocks, trace=trace) for policy in ("static", "fcfs")]
 
 
 BLUE, GOLD, RED = "#4a90d9", "#f2c14e", "#d9534f"  # the chapter's "xanh", "vàng"; preempted
@@ -61,7 +61,7 @@ def text_figure(sim: Simulation, max_width: int = 100) -> str:
 
     head = f"{LABELS[sim.policy]}: {sim.summary()}"
     lines = [head + (f"; 1 column = {k} steps" if k > 1 else "")]
-    lines += [f"slot {i:<3}" + "".join(cell(row[c * k:(c + 1) * k]) for c in range(cols))
+    lines += [f"seat {i:<3}" + "".join(cell(row[c * k:(c + 1) * k]) for c in range(cols))
               for i, row in enumerate(grid)]
     ruler = [" "] * cols
     for c in range(9, cols, 10):
@@ -98,25 +98,25 @@ def draw(name: str, sims: list[Simulation], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    jobs, slots, _, caption = FIGURES[name]
+    jobs, seats, _, caption = FIGURES[name]
     late = {j.name for j in jobs if j.arrival_step > 0}
     num_steps = max(len(s.records) for s in sims)
     notes = [f"{LABELS[s.policy].split(' ')[0]}: {n}" for s in sims for n in s.notes]
     fig, axes = plt.subplots(len(sims), 1, sharex=True,
-                             figsize=(11, 0.9 + (0.45 * slots + 0.8) * len(sims)
+                             figsize=(11, 0.9 + (0.45 * seats + 0.8) * len(sims)
                                       + 0.22 * len(notes)))
     for ax, sim in zip(axes, sims):
-        cells: list[list[tuple]] = [[None] * len(sim.records) for _ in range(slots)]
+        cells: list[list[tuple]] = [[None] * len(sim.records) for _ in range(seats)]
         victims = set()
         for i, rec in enumerate(sim.records):
             for r in rec["rows"]:
                 kind = "re" if r["request"] in victims and r["role"] == "prefill" else \
                     r["role"] == "idle"
-                cells[r["slot"]][i] = (r["request"], kind)
+                cells[r["seat"]][i] = (r["request"], kind)
             for p in rec["preempted"]:
-                cells[p["slot"]][i] = (p["request"], "!")
+                cells[p["seat"]][i] = (p["request"], "!")
                 victims.add(p["request"])
-        for slot, row in enumerate(cells):
+        for seat, row in enumerate(cells):
             start = 0
             for i in range(1, len(row) + 1):  # one bar per run of equal cells
                 if i < len(row) and row[i] == row[start]:
@@ -124,15 +124,15 @@ def draw(name: str, sims: list[Simulation], path: Path) -> None:
                 if row[start] is not None:
                     rid, kind = row[start]
                     color = RED if kind == "!" else GOLD if rid in late else BLUE
-                    ax.barh(slot, i - start, left=start, height=0.8, color=color,
+                    ax.barh(seat, i - start, left=start, height=0.8, color=color,
                             alpha=0.45 if kind is True else 1.0, edgecolor="white",
                             hatch={True: "///", "re": "xx"}.get(kind), linewidth=0.8)
                     if kind is not True and (i - start) / num_steps > 0.012:
-                        ax.text((start + i) / 2, slot, "!" if kind == "!" else rid,
+                        ax.text((start + i) / 2, seat, "!" if kind == "!" else rid,
                                 ha="center", va="center", fontsize=9, weight="bold")
                 start = i
-        ax.set_yticks(range(slots), [f"slot {s}" for s in range(slots)])
-        ax.set_ylim(slots - 0.5, -0.5)
+        ax.set_yticks(range(seats), [f"seat {s}" for s in range(seats)])
+        ax.set_ylim(seats - 0.5, -0.5)
         ax.set_title(f"{LABELS[sim.policy]}: {sim.summary()}", fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
         if num_steps <= 30:
@@ -141,7 +141,7 @@ def draw(name: str, sims: list[Simulation], path: Path) -> None:
     axes[-1].set_xlabel("step (time: step s is drawn from s-1 to s)")
     handles = [Patch(color=BLUE, label="there from step 0 (xanh)"),
                Patch(facecolor=BLUE, alpha=0.45, hatch="///", edgecolor="white",
-                     label="idle row: finished, still computed (slot quay không)"),
+                     label="idle row: finished, still computed (seat quay không)"),
                Patch(facecolor="white", edgecolor="grey", label="empty seat")]
     if late:
         handles.insert(1, Patch(color=GOLD, label="arrives later (vàng)"))

@@ -1,5 +1,5 @@
 """Turn a nanoserve trace (JSON lines, see nanoserve/trace.py) into ONE self-contained HTML
-page to explore it: the slot x step grid of every run (static and continuous one above the
+page to explore it: the seat x step grid of every run (static and continuous one above the
 other), coloured by request and role, with the token budget, KV usage, waiting queue and
 step time beneath, and the chapter's words in the legend.
 
@@ -49,10 +49,10 @@ def read_runs(path: str | Path) -> list[dict]:
         elif not runs:
             raise ValueError(f"{where}: a step record before any run header")
         else:
-            slots = runs[-1]["header"]["max_num_seqs"]
-            bad = [r for r in record["rows"] if not 0 <= r["slot"] < slots]
+            seats = runs[-1]["header"]["max_num_seqs"]
+            bad = [r for r in record["rows"] if not 0 <= r["seat"] < seats]
             if bad:
-                raise ValueError(f"{where}: slot must be in [0, {slots}), got {bad[0]}")
+                raise ValueError(f"{where}: seat must be in [0, {seats}), got {bad[0]}")
             runs[-1]["steps"].append(record)
     if not runs:
         raise ValueError(f"{path}: no run header (an empty trace?)")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.static_scheduler import make_scheduler
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.static_scheduler import StaticScheduler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.simulator import KVReadingRunner, next_token
 
@@ -55,10 +55,15 @@ class FakeEngine:
     """Scheduler + FakeRunner with the same step() loop as LLM.step()."""
 
     def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, **config: object) -> None:
+        """`scheduling_policy="static"`: the static baseline (batching="static") in FCFS order,
+        so that tests can range over the three schedules."""
+        if config.get("scheduling_policy") == "static":
+            config.update(scheduling_policy="fcfs", batching="static")
         # No model here: max_model_len defaults to the old engine default, not a model's.
         self.config = EngineConfig(**{"max_model_len": 2048, "max_num_seqs": 32,
                                       "max_num_batched_tokens": 1024, **config})
-        self.scheduler = make_scheduler(self.config, num_kv_blocks, block_size)
+        cls = StaticScheduler if self.config.batching == "static" else Scheduler
+        self.scheduler = cls(self.config, num_kv_blocks, block_size)
         self.runner = FakeRunner(num_kv_blocks, block_size)
         self.requests: dict[str, Request] = {}
         self.outputs: list[SchedulerOutput] = []

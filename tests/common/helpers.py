@@ -33,7 +33,8 @@ def make_inputs(seqs: list[tuple[list[int], int, list[int]]], block_size: int) -
             raise ValueError("decode rows (one new token) must come first")
         req = Request(f"r{i}", [0] * cached + list(new_ids), SamplingParams())
         req.block_table, req.num_computed_tokens = list(table), cached
-        step.scheduled.append(ScheduledRequest(req, len(new_ids), samples=True))
+        step.scheduled.append(ScheduledRequest(req, len(new_ids), samples=True,
+                                               is_decode=len(new_ids) == 1))
     return prepare_inputs(step, block_size, torch.device("cpu"))
 
 

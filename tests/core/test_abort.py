@@ -244,7 +244,7 @@ def test_forward_error_in_generate_static_policy_frees_finished_rows(monkeypatch
     """Static policy: a request that finished keeps its blocks (an idle row) until its whole
     batch is done. If generate() fails in between, that request is generate's too, and must
     not stay behind holding blocks."""
-    llm = small_llm(scheduling_policy="static", num_kv_blocks=16)
+    llm = small_llm(batching="static", num_kv_blocks=16)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     fail_once(llm, monkeypatch, at_call=4)  # the short request finished at call 2
     with pytest.raises(RuntimeError, match="injected forward failure"):
@@ -258,7 +258,7 @@ def test_abort_finished_static_row_before_its_batch_ends():
     """A static row that finished (with "length") but whose output is not out yet (its
     batch is still running) did finish: abort() is the documented no-op (False), its
     result is not rewritten, and its blocks come back when the batch drains (no leak)."""
-    llm = small_llm(scheduling_policy="static", num_kv_blocks=16)
+    llm = small_llm(batching="static", num_kv_blocks=16)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     a = llm.add_request(PROMPTS[0], short)
     b = llm.add_request(PROMPTS[1], GREEDY)

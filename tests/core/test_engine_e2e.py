@@ -132,6 +132,6 @@ def test_priority_policy(reference):
 
 
 def test_static_policy(reference):
-    llm = LLM(scheduling_policy="static", max_num_seqs=4, dtype="float32")
+    llm = LLM(batching="static", max_num_seqs=4, dtype="float32")
     outputs, _ = run_steps(llm, reference["prompts"])
     check(outputs, reference["prompts"], reference["expected"])

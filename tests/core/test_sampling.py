@@ -165,11 +165,11 @@ def break_rows_of(llm: LLM, marker: int) -> None:
 @pytest.mark.parametrize("policy", ["fcfs", "static"])
 def test_a_request_that_cannot_be_sampled_finishes_with_an_error_alone(policy):
     marker = 4242
-    reference = tiny_llm(scheduling_policy=policy)
+    reference = tiny_llm(batching="static" if policy == "static" else "continuous")
     expected = [o.token_ids for o in reference.generate(
         [PROMPT, OTHER], [SamplingParams(**HOT), GREEDY], use_tqdm=False)]
 
-    llm = tiny_llm(scheduling_policy=policy)
+    llm = tiny_llm(batching="static" if policy == "static" else "continuous")
     break_rows_of(llm, marker)
     good = llm.add_request(PROMPT, SamplingParams(**HOT))
     bad = llm.add_request([1, 2, 3], SamplingParams(temperature=0.7, seed=3,

@@ -131,7 +131,7 @@ CONFIG_CASES = [
     ("block_size=-16", dict(block_size=-16), r"block_size must be None or an integer >= 1"),
     ("max_num_seqs=0", dict(max_num_seqs=0), r"max_num_seqs must be None or an integer >= 1"),
     ('scheduling_policy="lifo"', dict(scheduling_policy="lifo"),
-     r"scheduling_policy must be one of \('fcfs', 'priority', 'static'\)"),
+     r"scheduling_policy must be one of \('fcfs', 'priority'\)"),
     ('attention_backend="triton"', dict(attention_backend="triton"),
      r"attention_backend must be one of \('auto', 'flash-attn', 'torch'\)"),
     ('attention_backend="flash-attn" on CPU', dict(attention_backend="flash-attn", device="cpu"),

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.py is a sc
 import bench  # noqa: E402
 from benchmarks import report, workloads  # noqa: E402
 from benchmarks.llamacpp_system import LlamaCpp  # noqa: E402
-from benchmarks.systems import SystemResult, assign_slots  # noqa: E402
+from benchmarks.systems import SystemResult, assign_seats  # noqa: E402
 from benchmarks.vllm_system import VLLM, identical_requests, vllm_job, vllm_result  # noqa: E402
 from benchmarks.workloads import Job, Workload, poisson_arrivals  # noqa: E402
 
@@ -58,17 +58,17 @@ def jobs() -> list[Job]:
             for i, n in enumerate(LENGTHS)]
 
 
-def workload(job_list: list[Job] | None = None, slots: int = 3) -> Workload:
-    return Workload("test", job_list or jobs(), slots, "")
+def workload(job_list: list[Job] | None = None, seats: int = 3) -> Workload:
+    return Workload("test", job_list or jobs(), seats, "")
 
 
-def check(r: SystemResult, slots: int) -> None:
+def check(r: SystemResult, seats: int) -> None:
     assert r.useful_tokens == sum(LENGTHS)
     assert r.num_steps > 0 and r.wall_s > 0
     assert 0 < r.utilisation <= 1
     assert r.useful_request_steps >= sum(LENGTHS)  # >= : a chunked prefill takes steps too
     assert len(r.e2e) == len(LENGTHS) and all(e > 0 for e in r.e2e)
-    assert r.max_num_seqs == slots
+    assert r.max_num_seqs == seats
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_nanoserve_continuous_and_static_add_up(nanoserve_results):
 
 
 def test_static_runs_whole_batches(nanoserve_results):
-    """§2: a static batch's slots are all busy (usefully or not) until its longest is done."""
+    """§2: a static batch's seats are all busy (usefully or not) until its longest is done."""
     static = nanoserve_results["static"]
     first_batch = static.timeline[:max(LENGTHS[:3]) + 1]
     assert all(sum(c != 0 for c in row) == 3 for row in first_batch[1:max(LENGTHS[:3])])
@@ -107,9 +107,9 @@ def test_hf_static_adds_up(tiny_dir):
     assert r.wasted_request_steps == sum(max(b) * len(b) - sum(b) for b in batches)
 
 
-def test_assign_slots_reuses_the_lowest_free_slot():
+def test_assign_seats_reuses_the_lowest_free_seat():
     steps = [[(0, True), (1, True)], [(1, True)], [(2, True), (1, False)]]
-    assert assign_slots(steps, 2) == [[1, 2], [0, 2], [3, -2]]
+    assert assign_seats(steps, 2) == [[1, 2], [0, 2], [3, -2]]
 
 
 def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -123,7 +123,7 @@ def test_main_writes_json_and_text(tiny_dir, tmp_path, capsys, monkeypatch):
     assert [r["system"] for r in data["results"]] == ["continuous", "static"]
     assert data["ratios"][0].startswith("continuous / static")
     text = capsys.readouterr().out
-    assert "| continuous |" in text and "slot  0 |" in text
+    assert "| continuous |" in text and "seat  0 |" in text
     # --trace-dir: one run per nanoserve system, without the warm-up, counting the same work
     lines = [json.loads(x) for x in (tmp_path / "traces" / "longtail.jsonl").read_text()
              .splitlines()]

@@ -16,16 +16,16 @@ from simulate import FIGURES, run_figure  # noqa: E402
 
 
 def counts(sim) -> tuple[int, int]:
-    """(useful, idle) slot-steps of a run, from its grid."""
+    """(useful, idle) seat-steps of a run, from its grid."""
     grid = sim.grid()
     return sum(c.isalpha() for row in grid for c in row), sum(row.count("/") for row in grid)
 
 
-def test_chapter2_example_useful_850_of_4000_slot_steps():
+def test_chapter2_example_useful_850_of_4000_seat_steps():
     """§2: 8 requests, the longest 500 steps, the other 7 averaging 50: static batching
-    does real work in 850 of 4,000 slot-steps (21.25%), ~79% of them spin idle."""
+    does real work in 850 of 4,000 seat-steps (21.25%), ~79% of them spin idle."""
     static, continuous = run_figure("chapter2-example")
-    assert len(static.records) == 500 and static.num_slots == 8
+    assert len(static.records) == 500 and static.num_seats == 8
     assert counts(static) == (850, 3150)
     assert "useful 850 (21.25%), idle rows 3150 (78.75%)" in static.summary()
     # Continuous batching computes the same 850 rows and not one for a finished request.
@@ -48,7 +48,7 @@ def test_chapter2_finished_rows_stay_in_the_static_batch():
 
 
 def test_chapter3_static_waits_for_b_continuous_refills_at_once():
-    """§3: 4 slots, A-D arrive together, E, F, G later. Static lets E, F, G in only after B
+    """§3: 4 seats, A-D arrive together, E, F, G later. Static lets E, F, G in only after B
     ends at step 10; continuous gives each the seat of A, D, C the step after it leaves."""
     static, continuous = run_figure("chapter3")
     assert static.steps_of("B")[-1] == 10
@@ -74,7 +74,7 @@ def test_preemption_victim_is_the_last_admitted_and_recomputes():
     for sim in (static, continuous):
         first = next(rec for rec in sim.records if rec["preempted"])
         assert first["step"] == 6
-        assert [(p["request"], p["slot"]) for p in first["preempted"]] == [("C", 2)]
+        assert [(p["request"], p["seat"]) for p in first["preempted"]] == [("C", 2)]
         assert sim.notes[0].startswith("step 6: C preempted: no free KV block for A's next "
                                        "token; FCFS victim = last admitted = C")
     resumed = next(r for rec in continuous.records[6:] for r in rec["rows"]
@@ -89,7 +89,7 @@ def test_victim_is_last_admitted_not_last_named():
     """The victim is whoever joined `running` last: here A, which arrived a step after B
     and C (a rule that picked by name, length or seat would choose differently)."""
     jobs = [SimRequest("B", 4, 8), SimRequest("C", 4, 8), SimRequest("A", 4, 8, arrival_step=1)]
-    sim = simulate(jobs, "fcfs", num_slots=3, num_blocks=6)
+    sim = simulate(jobs, "fcfs", num_seats=3, num_blocks=6)
     victims = [p["request"] for rec in sim.records for p in rec["preempted"]]
     assert victims and victims[0] == "A"
     assert "no free KV block for B's next token; FCFS victim = last admitted = A" in sim.notes[0]
@@ -119,4 +119,4 @@ def test_simulator_is_deterministic_and_checks_its_config():
     assert [s.records for s in a] == [s.records for s in b]
     assert next_token([1, 2, 3]) != next_token([3, 2, 1])  # order matters to the stand-in
     with pytest.raises(ValueError, match="max_num_seqs"):
-        simulate([SimRequest("A", 4, 2)], num_slots=0)
+        simulate([SimRequest("A", 4, 2)], num_seats=0)

@@ -1,4 +1,4 @@
-"""The JSON-lines trace (issue 11): record fields and types, the seat ("slot") rules of the
+"""The JSON-lines trace (issue 11): record fields and types, the seat ("seat") rules of the
 chapter's figures, and a real short LLM run whose records must agree with what happened."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from nanoserve.trace import Tracer
+from nanoserve.engine.trace import Tracer
 from tests.common.tiny_model import tiny_model_dir
 
 HEADER_TYPES = {"type": str, "name": str, "policy": str, "max_num_seqs": int,
@@ -49,7 +51,8 @@ def step(tracer: Tracer, sched: FakeScheduler, *, run=(), idle=(), admit=(), pre
     scheduled = []
     for r, n in run:
         samples = r.num_computed_tokens + n == r.num_tokens
-        scheduled.append(ScheduledRequest(r, n, samples))
+        decode = n == 1 and r.num_computed_tokens >= r.num_prompt_tokens  # as the scheduler's
+        scheduled.append(ScheduledRequest(r, n, samples, decode))
         r.num_computed_tokens += n
         if samples:
             r.append_token(7)
@@ -63,12 +66,15 @@ def step(tracer: Tracer, sched: FakeScheduler, *, run=(), idle=(), admit=(), pre
 
 
 def seats(record: dict) -> dict[str, int]:
-    return {row["request"]: row["slot"] for row in record["rows"]}
+    return {row["request"]: row["seat"] for row in record["rows"]}
 
 
 def new_tracer(path: str = "unused.jsonl", policy: str = "fcfs") -> Tracer:
-    return Tracer(path, "continuous", policy, max_num_seqs=4, token_budget=16, num_blocks=12,
-                  block_size=4, source="test")
+    static = policy == "static"
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                          scheduling_policy="fcfs" if static else policy,
+                          batching="static" if static else "continuous")
+    return Tracer(path, config, BlockManager(12, 4), source="test")
 
 
 def test_header_and_step_fields_and_types(tmp_path):
@@ -91,14 +97,14 @@ def test_header_and_step_fields_and_types(tmp_path):
     assert header["policy"] == "fcfs" and header["source"] == "test"
     assert rec["time_ms"] == 12.346 and rec["num_scheduled_tokens"] == 7
     assert (rec["num_running"], rec["num_waiting"], rec["num_free_blocks"]) == (2, 0, 10)
-    assert rec["rows"] == [{"request": "0", "slot": 0, "role": "prefill", "start": 0, "end": 4},
-                           {"request": "1", "slot": 1, "role": "prefill", "start": 0, "end": 3}]
+    assert rec["rows"] == [{"request": "0", "seat": 0, "role": "prefill", "start": 0, "end": 4},
+                           {"request": "1", "seat": 1, "role": "prefill", "start": 0, "end": 3}]
     assert rec["admitted"] == ["0", "1"]
     # A second step appends one line, with no second header.
     sched.running.remove(a)
     a.status, a.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
     a.num_computed_tokens = 5
-    out = SchedulerOutput([ScheduledRequest(a, 1, True)], 16, [], [], [])
+    out = SchedulerOutput([ScheduledRequest(a, 1, True, is_decode=True)], 16, [], [], [])
     tracer.record(out, [a], sched)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["type"] for x in lines] == ["run", "step", "step"]
@@ -118,14 +124,14 @@ def test_lowest_free_seat_freed_at_finish_and_preempt():
     rec = step(tracer, sched, admit=[d], run=[(a, 1), (c, 1), (d, 4)])
     assert seats(rec)["3"] == 1  # the lowest free seat, not the next unused one
     rec = step(tracer, sched, preempt=[a], run=[(c, 1), (d, 1)])
-    assert [(p["request"], p["slot"]) for p in rec["preempted"]] == [("0", 0)]
+    assert [(p["request"], p["seat"]) for p in rec["preempted"]] == [("0", 0)]
     assert "recompute" in rec["preempted"][0]["reason"]
     assert "FCFS" in rec["preempted"][0]["reason"]
     rec = step(tracer, sched, admit=[e], run=[(c, 1), (d, 1), (e, 4)])
     assert seats(rec) == {"2": 2, "3": 1, "4": 0}  # the victim's seat is free again
     rec = step(tracer, sched, admit=[a], run=[(c, 1), (d, 1), (e, 1), (a, 5)])
     assert seats(rec)["0"] == 3  # the victim comes back to the lowest free seat
-    assert rec["rows"][-1] == {"request": "0", "slot": 3, "role": "prefill", "start": 0,
+    assert rec["rows"][-1] == {"request": "0", "seat": 3, "role": "prefill", "start": 0,
                                "end": 5}  # recompute: prompt and its output token again
 
 
@@ -138,7 +144,7 @@ def test_static_keeps_idle_seats_until_the_batch_leaves():
     a.status = RequestStatus.FINISHED
     sched.running.remove(a)
     rec = step(tracer, sched, run=[(b, 1), (c, 1)], idle=[a])
-    assert rec["rows"][0] == {"request": "0", "slot": 0, "role": "idle"}
+    assert rec["rows"][0] == {"request": "0", "seat": 0, "role": "idle"}
     assert seats(rec) == {"0": 0, "1": 1, "2": 2} and rec["finished"] == []
     b.status = RequestStatus.FINISHED
     sched.running.remove(b)  # done in that step: only its scheduled row tells it is there
@@ -156,7 +162,7 @@ def test_static_victim_admitted_in_the_same_step_takes_then_frees_its_seat():
     a, b = req("0"), req("1")
     rec = step(tracer, sched, admit=[a, b], preempt=[b], run=[(a, 4)])
     assert seats(rec) == {"0": 0}
-    assert [(p["request"], p["slot"]) for p in rec["preempted"]] == [("1", 1)]
+    assert [(p["request"], p["seat"]) for p in rec["preempted"]] == [("1", 1)]
     c = req("2")
     rec = step(tracer, sched, admit=[c], run=[(a, 1), (c, 4)])
     assert seats(rec) == {"0": 0, "2": 1}
@@ -190,15 +196,15 @@ def test_real_llm_run_agrees_with_its_trace(tmp_path, capsys, policy, num_kv_blo
     and the --trace text line shows the same budget and waiting count."""
     path = tmp_path / "run.jsonl"
     llm = LLM(tiny_model_dir(), max_num_seqs=3, max_num_batched_tokens=16, block_size=4,
-              num_kv_blocks=num_kv_blocks, scheduling_policy=policy, trace_file=str(path),
-              trace=True)
+              num_kv_blocks=num_kv_blocks, trace_file=str(path), trace=True,
+              **({"batching": "static"} if policy == "static" else {"scheduling_policy": policy}))
     prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([13, 3, 9, 21, 5])]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (6, 2, 9, 4, 7)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     [(header, steps)] = read_runs(path)
     assert header == {"type": "run", "name": "static" if policy == "static" else "continuous",
-                      "policy": policy, "max_num_seqs": 3, "token_budget": 16,
+                      "policy": "fcfs", "max_num_seqs": 3, "token_budget": 16,
                       "num_blocks": num_kv_blocks, "block_size": 4, "source": "engine"}
     assert [s["step"] for s in steps] == list(range(1, llm.num_steps + 1))
     text = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
@@ -211,14 +217,14 @@ def test_real_llm_run_agrees_with_its_trace(tmp_path, capsys, policy, num_kv_blo
         assert s["num_scheduled_tokens"] <= s["token_budget"] == 16
         work = [r for r in s["rows"] if r["role"] != "idle"]
         assert s["num_scheduled_tokens"] == sum(r["end"] - r["start"] for r in work)
-        slots = [r["slot"] for r in s["rows"]]
-        assert len(set(slots)) == len(slots) and all(0 <= k < 3 for k in slots)
+        seats = [r["seat"] for r in s["rows"]]
+        assert len(set(seats)) == len(seats) and all(0 <= k < 3 for k in seats)
         assert s["num_running"] <= 3 and 0 <= s["num_free_blocks"] <= s["num_blocks"]
         for p in s["preempted"]:  # recompute: the victim starts again from token 0
             computed[p["request"]].append("preempted")
             seat_of.pop(p["request"], None)
         for r in s["rows"]:
-            assert seat_of.setdefault(r["request"], r["slot"]) == r["slot"]  # seat kept
+            assert seat_of.setdefault(r["request"], r["seat"]) == r["seat"]  # seat kept
             if r["role"] != "idle":
                 computed[r["request"]].append((r["start"], r["end"]))
                 one_output_token = r["end"] - r["start"] == 1 \
@@ -252,5 +258,5 @@ def test_trace_to_starts_a_new_run_that_leaves_out_the_warm_up(tmp_path):
     [(header, steps)] = read_runs(path)
     assert header["source"] == "bench" and header["name"] == "continuous"
     assert [s["step"] for s in steps] == [1, 2, 3]  # the tracer's own steps, from 1
-    assert [[(r["request"], r["slot"], r["role"]) for r in s["rows"]] for s in steps] == \
+    assert [[(r["request"], r["seat"], r["role"]) for r in s["rows"]] for s in steps] == \
         [[("1", 0, "prefill")], [("1", 0, "decode")], [("1", 0, "decode")]]

@@ -1,5 +1,5 @@
 """The trace page (issue 11 item 3) in a real browser: headless Chromium opens the page built
-from a real static + continuous run, the DOM must hold slots x steps cells per run, and a
+from a real static + continuous run, the DOM must hold seats x steps cells per run, and a
 click on a cell must show its request, step and role. A screenshot is saved too (to docs/
 with NANOSERVE_UPDATE_DOCS=1, so `make test` does not rewrite a tracked file)."""
 
@@ -37,7 +37,8 @@ def trace(tmp_path_factory) -> Path:
               for m in (12, 3, 8, 5, 10, 4)]
     for policy in ("static", "fcfs"):
         llm = LLM(tiny_model_dir(), max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
-                  num_kv_blocks=64, scheduling_policy=policy, trace_file=str(path))
+                  num_kv_blocks=64, trace_file=str(path),
+                  batching="static" if policy == "static" else "continuous")
         llm.generate(prompts, params, use_tqdm=False)
     return path
 
@@ -77,12 +78,12 @@ def test_page_in_headless_chromium(trace, tmp_path):
     checks = [(1, *pick(runs[1]["steps"], "prefill")), (1, *pick(runs[1]["steps"], "decode")),
               (0, *pick(runs[0]["steps"], "idle"))]
     for run, step, row in checks:
-        dom = dump_dom(page, f"#selftest={step['step']},{row['slot']},{run}")
-        for i, r in enumerate(runs):  # one cell per slot x step, for each run
+        dom = dump_dom(page, f"#selftest={step['step']},{row['seat']},{run}")
+        for i, r in enumerate(runs):  # one cell per seat x step, for each run
             cells = re.findall(rf'<div class="c[^"]*" data-run="{i}" ', dom)
             assert len(cells) == r["header"]["max_num_seqs"] * len(r["steps"]) > 0
         shown = re.search(r'<pre id="selftest">(.*?)</pre>', dom, re.S).group(1)
-        expected = f"request {row['request']} · step {step['step']} · slot {row['slot']} · " \
+        expected = f"request {row['request']} · step {step['step']} · seat {row['seat']} · " \
                    f"role {row['role']}"
         assert expected in shown, shown
         if row["role"] != "idle":
@@ -91,7 +92,7 @@ def test_page_in_headless_chromium(trace, tmp_path):
     docs = os.environ.get("NANOSERVE_UPDATE_DOCS") == "1"
     png = ROOT / "docs" / "trace-page.png" if docs else tmp_path / "trace-page.png"
     run, step, row = checks[-1]  # with an idle row's details shown
-    trace_page.screenshot(page, png, 1400, 1000, f"#hover={step['step']},{row['slot']},{run}")
+    trace_page.screenshot(page, png, 1400, 1000, f"#hover={step['step']},{row['seat']},{run}")
     matplotlib_image = pytest.importorskip("matplotlib.image")
     pixels = matplotlib_image.imread(png)
     assert pixels.shape[:2] == (1000, 1400)

@@ -1,9 +1,9 @@
 """§2–§3, §6: a JSON-lines record of every step, drawn by `scripts/reader/trace_page.py`. A run's
 header line, then per step: each batch row with its seat and role (prefill chunk, decode, or a
 static "idle row" = "slot quay không"), the token budget spent, waiting queue, free KV blocks,
-who was admitted, preempted ("nạn nhân", §6.3) or finished. A seat is the chapter's "slot" (not
-a KV position): the lowest free one on admission, freed at finish (static: batch end) or
-preemption."""
+who was admitted, preempted ("nạn nhân", §6.3) or finished. A seat is what the chapter calls a
+"slot" in the batch (in the code a slot is a KV position, `slot_mapping`): the lowest free one on
+admission, freed at finish (static: batch end) or preemption."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.block_manager import BlockManager
     from nanoserve.engine.request import Request
     from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -19,13 +21,14 @@ if TYPE_CHECKING:
 class Tracer:
     """Call `record()` once per step, after `update_from_output()`."""
 
-    def __init__(self, path: str | None, name: str, policy: str, max_num_seqs: int,
-                 token_budget: int, num_blocks: int, block_size: int, source: str = "engine",
-                 ) -> None:
+    def __init__(self, path: str | None, config: EngineConfig, block_manager: BlockManager,
+                 source: str = "engine") -> None:
         self.path = path
-        self.header = {"type": "run", "name": name, "policy": policy,
-                       "max_num_seqs": max_num_seqs, "token_budget": token_budget,
-                       "num_blocks": num_blocks, "block_size": block_size, "source": source}
+        self.header = {"type": "run", "name": config.batching, "policy": config.scheduling_policy,
+                       "max_num_seqs": config.max_num_seqs,
+                       "token_budget": config.max_num_batched_tokens,
+                       "num_blocks": block_manager.num_blocks,
+                       "block_size": block_manager.block_size, "source": source}
         self.seats: dict[str, int] = {}  # request_id -> seat
         self.num_steps = 0
         self.start = time.monotonic()  # t_s: when a measured step ended (served traffic's gaps)
@@ -51,10 +54,10 @@ class Tracer:
         for s in out.scheduled:
             req, n = s.request, s.num_new_tokens
             end = req.num_computed_tokens  # recorded after the step: these n are computed
-            decode = n == 1 and s.samples and end - 1 >= req.num_prompt_tokens
-            rows.append({"request": req.request_id, "slot": self.seats[req.request_id],
-                         "role": "decode" if decode else "prefill", "start": end - n, "end": end})
-        rows += [{"request": r.request_id, "slot": self.seats[r.request_id], "role": "idle"}
+            rows.append({"request": req.request_id, "seat": self.seats[req.request_id],
+                         "role": "decode" if s.is_decode else "prefill", "start": end - n,
+                         "end": end})
+        rows += [{"request": r.request_id, "seat": self.seats[r.request_id], "role": "idle"}
                  for r in out.idle_rows]
         rule = ("PRIORITY: lowest priority, then latest arrival" if self.header["policy"] ==
                 "priority" else "FCFS: the request that joined running last")
@@ -66,9 +69,9 @@ class Tracer:
             "token_budget": out.token_budget, "num_scheduled_tokens": out.num_scheduled_tokens,
             "num_waiting": len(scheduler.waiting), "num_running": len(scheduler.running),
             "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-            "rows": sorted(rows, key=lambda r: r["slot"]),
+            "rows": sorted(rows, key=lambda r: r["seat"]),
             "admitted": [r.request_id for r in out.admitted],
-            "preempted": [{"request": rid, "slot": seat,
+            "preempted": [{"request": rid, "seat": seat,
                            "reason": f"out of free KV blocks; victim by {rule}; will recompute"}
                           for rid, seat in victims.items()],
             "finished": [{"request": r.request_id, "reason": r.finish_reason.value}
