@@ -43,11 +43,13 @@ def logits_of(probs_by_token: dict[int, float], vocab: int = VOCAB) -> torch.Ten
 LOGITS = logits_of(dict(zip(TOKENS, P)))
 
 
-def kept(params: SamplingParams, logits: torch.Tensor = LOGITS) -> dict[int, float]:
+def kept(params: SamplingParams, logits: torch.Tensor = LOGITS,
+         num_candidates: int | None = None) -> dict[int, float]:
     """Token id -> filtered (unnormalised) probability, for the tokens that survive."""
     meta = SamplingMetadata.build([params], [None], logits.shape[-1], logits.device)
-    probs = filtered_probs(logits.unsqueeze(0).float(), meta)[0]
-    return {i: float(probs[i]) for i in range(probs.shape[0]) if probs[i] > 0}
+    probs, ids = filtered_probs(logits.unsqueeze(0).float(), meta, num_candidates)
+    ids = range(probs.shape[1]) if ids is None else ids[0].tolist()
+    return {t: float(p) for t, p in zip(ids, probs[0]) if p > 0}
 
 
 def draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS,
@@ -232,14 +234,14 @@ class HostReads(TorchFunctionMode):
                 name == "to" and "cpu" in map(str, [*args[1:], *kwargs.values()])):
             self.reads.append((name, tuple(args[0].shape)))
         if name in ("exponential_", "multinomial", "rand", "rand_like", "uniform_"):
-            self.draws.append((name, tuple(args[0].shape) if args else None))
+            self.draws.append((name, tuple(a for a in args if isinstance(a, int))))
         return func(*args, **kwargs)
 
 
 def test_a_sampled_step_reads_back_only_the_tokens_and_draws_once():
     """16 rows at temperature 0.8, top-k 50, top-p 0.9 (two of them seeded): no [rows, vocab]
-    tensor goes to the host, only the 16 tokens; one exponential draw for the batch, and one
-    of its own row for each seeded request."""
+    tensor goes to the host, only the 16 tokens; one draw of noise for the batch, and one of
+    its own row for each seeded request."""
     vocab, rows = 1000, 16
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 3
     params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=s)
@@ -249,7 +251,7 @@ def test_a_sampled_step_reads_back_only_the_tokens_and_draws_once():
     with HostReads() as seen:
         tokens, logprobs = sampler(logits, params, gens)
     assert seen.reads == [("tolist", (rows,))]
-    assert seen.draws == [("exponential_", (rows, vocab))] + [("exponential_", (vocab,))] * 2
+    assert seen.draws == [("rand", (rows, vocab))] + [("rand", (vocab,))] * 2
     assert len(tokens) == rows and all(isinstance(t, int) for t in tokens)
     assert logprobs == [None] * rows
     # top-k 50: every token is among its row's 50 most likely.
@@ -276,3 +278,25 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
         return [sampler(logits, params, gens)[0][neighbours // 2] for _ in range(12)]
 
     assert draws(0) == draws(1) == draws(4)
+
+
+@pytest.mark.parametrize("knobs", [dict(top_p=0.9), dict(top_k=50), dict(top_k=2000),
+                                   dict(top_k=40, top_p=0.5), dict(top_p=0.999)])
+def test_the_candidates_draw_what_the_whole_sort_draws(knobs):
+    """A CPU's sampler filters among the 1024 most likely tokens when they suffice (peaked
+    rows), else sorts the whole row (a flat one; top_k 2000): the same tokens as the full
+    sort, draw for draw, the noise being per vocabulary token either way."""
+    vocab = 5000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)) * 6
+    logits[2] *= 1e-3  # nearly flat (no exact ties, which topk and sort break apart): top-p
+    # needs most of the vocabulary
+    params = [SamplingParams(temperature=0.9, seed=3, **knobs)] * 4
+
+    def tokens(num_candidates: int | None) -> list:
+        sampler = Sampler(0)
+        sampler.num_candidates = num_candidates
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        return [sampler(logits, params, gens)[0] for _ in range(6)]
+
+    assert tokens(1024) == tokens(None)
+    assert kept(params[0], logits[0], 1024) == pytest.approx(kept(params[0], logits[0]))
