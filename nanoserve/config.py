@@ -112,14 +112,6 @@ def batch_defaults(device: str, usage_context: str) -> tuple[int, int]:
     return table[usage_context]
 
 
-def attention_reason(config: EngineConfig) -> str:
-    """Why the resolved backend runs here (the start-up line)."""
-    if config.attention_backend == "flash-attn":
-        return "its paged kernels"
-    return flash_attn_missing(torch.device(config.device), TORCH_DTYPES[config.dtype]) or \
-        "asked for"
-
-
 def flash_attn_missing(device: torch.device, dtype: torch.dtype) -> str | None:
     """None if flash-attn can run here, else why not."""
     if importlib.util.find_spec("flash_attn") is None:

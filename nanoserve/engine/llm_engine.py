@@ -1,180 +1,82 @@
 """§4: the loop — receive requests, schedule, one forward step, process outputs, repeat.
 
-`LLM.step()` is one turn of that loop and the only place the three parts meet:
+`LLMEngine.step()` is one turn of that loop and the only place the three parts meet:
     scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
-`generate()` is just "add every prompt, then step until nothing is left"; serve.py, the same loop
-with requests added and aborted between steps."""
+Requests come in as token ids and leave as tokens; the text around them (prompts, detokenized
+outputs and stop strings, n completions, `generate()`) is the entry points', as in vLLM: the
+`LLM` class (entrypoints/llm.py) and the server run this same loop."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
-from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig
-
-from nanoserve.config import EngineConfig, attention_reason, resolve_config
-from nanoserve.engine.detokenizer import Detokenizer
+from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from nanoserve.engine.parallel_sampling import ParentRequest
-from nanoserve.engine.request import FinishReason, Request, RequestStatus
+from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.static_scheduler import StaticScheduler
 from nanoserve.engine.trace import Tracer, trace_line
 from nanoserve.models.loader import load_config
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
-from nanoserve.utils.bundled import default_model_dir
-
-Prompt = str | list[int]
 
 
-class LLM:
-    """Offline engine: `LLM(model=None, **config)`; model None = the bundled SmolLM2."""
+@dataclass
+class EngineStats:
+    """§7's numbers of the engine now (vLLM's metrics)."""
 
-    def __init__(self, model: str | None = None, **config: object) -> None:
-        self.model_dir = model if model is not None else default_model_dir()
-        hf_config = load_config(self.model_dir)
-        self.config = resolve_config(EngineConfig(**config), hf_config)  # before any weight loads
-        self.tokenizer = None if self.config.skip_tokenizer_init else \
-            AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""
-        self.model_runner = ModelRunner(self.config, self.model_dir)
-        self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = self._eos_token_ids(hf_config)
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_free_blocks: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens, first admissions only (vLLM)
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str, config: EngineConfig) -> None:
+        self.model_dir, self.hf_config = model_dir, load_config(model_dir)
+        self.vocab_size = self.hf_config.vocab_size
+        self.config = resolve_config(config, self.hf_config)  # before any weight loads
+        self.model_runner = ModelRunner(self.config, model_dir)
         scheduler_cls = StaticScheduler if self.config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self.config, self.model_runner.num_kv_blocks,
                                        self.config.block_size)
-        self.scheduler.stop_string_in = self._stop_string_in
         self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
         self.tracer: Tracer | None = None  # JSON lines of every step (trace.py)
         if self.config.trace_file is not None:
             self.trace_to(self.config.trace_file)
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
-        self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
-        self._ids = itertools.count()
-        self._detokenizers: dict[str, Detokenizer] = {}  # of every unfinished request
-        self._parents: dict[str, ParentRequest] = {}  # n > 1: parent id and child ids -> parent
-        print(f"nanoserve: {self.describe()}", file=sys.stderr)
 
-    def _eos_token_ids(self, hf_config: object) -> frozenset[int]:
-        ids = [getattr(hf_config, "eos_token_id", None),
-               getattr(self.tokenizer, "eos_token_id", None)]  # None without a tokenizer
-        with contextlib.suppress(OSError):  # no generation_config.json
-            ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
-        return frozenset(i for x in ids for i in (x if isinstance(x, list) else [x])) - {None}
-
-    def _make_requests(self, prompt: Prompt, params: SamplingParams,
-                       priority: int) -> list[Request]:
-        """Validate everything and build the Request (n > 1: its n children); changes no engine
-        state."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must have at least 1 token, got ''")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be a list of token ids when skip_tokenizer_init "
-                                 "is True")
-            token_ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, list):  # numpy integers are token ids too, bools are not
-            token_ids, text = [as_token_id(t) for t in prompt], None
-            if None in token_ids:
-                t = prompt[token_ids.index(None)]
-                raise ValueError(f"prompt must be a str or a list of int token ids, got list "
-                                 f"containing {type(t).__name__} {t!r}")
-        else:
-            raise ValueError(f"prompt must be a str or a list of int token ids, "
-                             f"got {type(prompt).__name__}")
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """A ValueError unless these ids can run here: in the vocabulary, within max_model_len,
+        and with one generated token within the whole KV cache."""
+        vocab, bm = self.vocab_size, self.scheduler.block_manager
         if not token_ids:
             raise ValueError("prompt must have at least 1 token, got 0")
-        if bad := [t for t in token_ids if not 0 <= t < self.vocab_size]:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if bad := [t for t in token_ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         if len(token_ids) > self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
                              f"({self.config.max_model_len})")
-        bm = self.scheduler.block_manager
         if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
             raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
                              f"needs {needed} KV blocks, but the whole KV cache has "
                              f"{bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
-        params = copy.deepcopy(params)  # ours: the user's later changes have no effect
-        params.validate()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")
-        if not is_int(priority):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        request_id = str(next(self._ids))
-        children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else
-                                        (params.seed + i) % 2**64) for i in range(params.n)]
-        return [Request(request_id if params.n == 1 else f"{i}_{request_id}", token_ids, child,
-                        self.eos_token_ids, priority=priority, prompt=text,
-                        generator=self._generator(child.seed)) for i, child in enumerate(children)]
-
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        """A seeded request's own generator, on the device its tokens are sampled on."""
-        return None if seed is None else torch.Generator(self.config.device).manual_seed(seed)
-
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0) -> str:
-        """Queue one request (a str or token ids); returns its request_id."""
-        return self._add(self._make_requests(prompt, sampling_params or SamplingParams(),
-                                             priority))
-
-    def _add(self, reqs: list[Request]) -> str:
-        for req in reqs:
-            self._detokenizers[req.request_id] = Detokenizer(self.tokenizer, req.sampling_params)
-        if len(reqs) == 1:
-            self.scheduler.add_request(reqs[0])
-            return reqs[0].request_id
-        parent_id = reqs[0].request_id.partition("_")[2]
-        held = reqs[1:] if self.config.enable_prefix_caching else []
-        parent = ParentRequest(parent_id, reqs, held)
-        self._parents.update({r.request_id: parent for r in [*reqs, parent]})
-        for req in reqs[:len(reqs) - len(held)]:
-            self.scheduler.add_request(req)
-        return parent_id
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a waiting, running or preempted request; its output (finish_reason
-        "abort") comes from the next step(). Unknown or finished ids: no-op, False."""
-        if not isinstance(request_id, str):  # abort(3) would silently miss request "3"
-            raise ValueError(f"request_id must be a str (the id add_request returned), "
-                             f"got {type(request_id).__name__} {request_id!r}")
-        parent = self._parents.get(request_id)
-        aborted = []
-        for req in parent.children if parent and parent.request_id == request_id else []:
-            if req in parent.held:  # never scheduled: it ends here
-                parent.held.remove(req)
-                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
-                aborted.append(req)
-            else:
-                aborted.append(self.scheduler.finish_request(req.request_id, FinishReason.ABORT))
-        if parent is None or parent.request_id != request_id:
-            aborted.append(self.scheduler.finish_request(request_id, FinishReason.ABORT))
-        outputs = self._gather([self._output(req) for req in aborted if req is not None])
-        self._pending += outputs
-        return any(req is not None for req in aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._pending)
-                or any(p.held for p in self._parents.values()))
+        return self.scheduler.has_unfinished_requests()
 
     def trace_to(self, path: str, source: str = "engine") -> None:
         """Append every following step to `path` as JSON lines, a new run (trace.py)."""
         self.tracer = Tracer(path, self.config, self.scheduler.block_manager, source)
 
-    def step(self) -> list[RequestOutput]:
-        """One turn of the loop (§4): outputs of requests that finished (or were aborted), and
-        DELTA outputs of running ones that asked for them (SamplingParams.output_kind)."""
+    def step(self) -> list[Request]:
+        """One turn of the loop (§4); returns the requests that finished in it. Every scheduled
+        request that sampled has its new token (and logprobs) appended."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[Request] = []
@@ -188,130 +90,19 @@ class LLM:
             # (A step that only preempted is progress: a request evicted itself.)
             raise RuntimeError("the scheduler could schedule nothing although requests are "
                                "pending; this is a bug (it would otherwise hang)")
-        deltas = self._deltas(out)
-        for parent in {id(p): p for p in self._parents.values()}.values():
-            for req in parent.release():  # child 0 computed the prompt: its blocks are cached
-                self.scheduler.add_request(req)
         self.num_steps += 1
         self.last_scheduler_output = out
         if self.tracer is not None:
             self.tracer.record(out, finished, self.scheduler, (time.perf_counter() - start) * 1e3)
         if self.trace:
             print(trace_line(self.num_steps, out, finished, self.scheduler), file=sys.stderr)
-        outputs, self._pending = self._pending, []
-        return outputs + self._gather([self._output(r) for r in deltas + finished])
+        return finished
 
-    def _stop_string_in(self, req: Request) -> bool:
-        """The scheduler's stop check asks: the new tokens' text completes a stop string."""
-        return self._detokenizers[req.request_id].update(req) is not None
-
-    def _deltas(self, out: SchedulerOutput) -> list[Request]:
-        """The running requests whose DELTA outputs this step returns, detokenized."""
-        deltas = []
-        for entry in out.scheduled:
-            req = entry.request
-            if entry.samples and (d := self._detokenizers[req.request_id]).delta:
-                d.update(req)
-                if not req.is_finished:
-                    deltas.append(req)
-        return deltas
-
-    def _gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """n > 1: each child's output as its parent's (parallel_sampling.py)."""
-        gathered = []
-        for output in outputs:
-            if (parent := self._parents.get(output.request_id)) is None:
-                gathered.append(output)
-                continue
-            delta = parent.children[0].sampling_params.output_kind == RequestOutputKind.DELTA
-            if (mine := parent.gather(output, delta)) is not None:
-                gathered.append(mine)
-            if mine is not None and mine.finished:
-                for key in [parent.request_id, *(c.request_id for c in parent.children)]:
-                    del self._parents[key]
-        return gathered
-
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for all prompts; outputs come back in input order. Outputs of requests
-        added earlier with add_request() that finish meanwhile are kept for the next step()."""
-        if isinstance(prompts, str) or (
-                isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a str, a list of token ids or a list of those, "
-                             f"got {type(prompts).__name__}")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries but there are "
-                                 f"{len(prompts)} prompts")
-        requests = [self._make_requests(p, sp, 0) for p, sp in zip(prompts, params)]
-        mine = []
-        for reqs in requests:  # all validated: only now does engine state change
-            for req in reqs:
-                req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY  # one output each
-            mine.append(self._add(reqs))
-        results: dict[str, RequestOutput] = {}
-        strays: list[RequestOutput] = []
-        bar = tqdm(total=len(mine), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        tokens = {"prefill": 0, "decode": 0}
-        start = time.perf_counter()
-        try:
-            while len(results) < len(mine):
-                for output in self.step():
-                    if output.request_id in mine:
-                        results[output.request_id] = output
-                        bar.update(1)
-                    else:
-                        strays.append(output)
-                for entry in self.last_scheduler_output.scheduled:
-                    tokens["decode" if entry.is_decode else "prefill"] += entry.num_new_tokens
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"prefill {tokens['prefill'] / elapsed:.0f} tok/s, "
-                                    f"decode {tokens['decode'] / elapsed:.0f} tok/s")
-        except BaseException:
-            for req in (r for reqs in requests for r in reqs):  # leave nothing holding KV
-                self.scheduler.finish_request(req.request_id, FinishReason.ABORT,
-                                              drop_finished=True)
-                self._detokenizers.pop(req.request_id, None)
-                self._parents.pop(req.request_id, None)
-            for request_id in mine:
-                self._parents.pop(request_id, None)
-            raise
-        finally:
-            bar.close()
-            self._pending += strays
-        return [results[request_id] for request_id in mine]
-
-    def _output(self, req: Request) -> RequestOutput:
-        d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)
-        first = d.num_sent_tokens if d.delta else 0  # the first output token this one returns
-        text, token_ids, stop_reason = d.output(req)
-        logprobs = None
-        if req.sampling_params.logprobs is not None:
-            logprobs = d.decode_logprobs(req.logprobs[first:first + len(token_ids)])
-        completion = CompletionOutput(0, text, token_ids, req.finish_reason and
-                                      req.finish_reason.value, stop_reason, req.error, logprobs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             RequestMetrics.from_request(req), finished=req.is_finished)
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a waiting, running or preempted request now; None if there is none."""
+        return self.scheduler.finish_request(request_id, FinishReason.ABORT)
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.usage, bm.num_free_blocks,
                            s.num_preemptions, bm.prefix_cache_hit_rate, self.num_steps)
-
-    def describe(self) -> str:
-        """What runs: the start-up line (also printed by LLM())."""
-        c, r = self.config, self.model_runner
-        graphs = c.device.startswith("cuda") and not c.enforce_eager
-        return (f"{c.device}, {c.dtype}, attention {c.attention_backend} "
-                f"({attention_reason(c)}), block size {c.block_size}, {r.num_kv_blocks} KV "
-                f"blocks ({r.kv_cache_bytes / 2**30:.2f} GiB), weights "
-                f"{r.weight_bytes / 2**30:.2f} GiB, max_num_seqs {c.max_num_seqs}, "
-                f"max_num_batched_tokens {c.max_num_batched_tokens}, CUDA graphs "
-                f"{'on' if graphs else 'off'}, torch.compile {'on' if c.torch_compile else 'off'}, "
-                f"fast paths {', '.join(r.fast_paths) or 'none'}")

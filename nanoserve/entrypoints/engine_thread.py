@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.metrics import Metrics
+from nanoserve.entrypoints.outputs import RequestOutput
 
 
 class Collector:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import prometheus_client as prom
 
 from nanoserve import LLM
-from nanoserve.engine.outputs import RequestOutput
+from nanoserve.entrypoints.outputs import RequestOutput
 
 
 class Metrics:

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
-from nanoserve.engine.outputs import CompletionOutput
 from nanoserve.entrypoints.engine_thread import Collector, EngineThread
+from nanoserve.entrypoints.outputs import CompletionOutput
 from nanoserve.entrypoints.protocol import APIError, SamplingRequest, param_of, sse, usage_of
 from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import RequestOutputKind

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.detokenizer import Detokenizer
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
+from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.sampling_params import RequestOutputKind
 from tests.common.tiny_model import tiny_model_dir
 

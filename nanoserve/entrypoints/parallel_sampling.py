@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.engine.request import Request
+from nanoserve.entrypoints.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass(eq=False)

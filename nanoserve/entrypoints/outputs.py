@@ -1,4 +1,5 @@
-"""§4 ("process outputs") and §7: what the engine hands back, per request and engine-wide."""
+"""§4 ("process outputs") and §7: what `LLM` hands back for a request: its completions' text and
+tokens, and its latencies."""
 
 from __future__ import annotations
 
@@ -60,14 +61,3 @@ class RequestOutput:
     stop_reason = property(lambda self: self.outputs[0].stop_reason)
     error = property(lambda self: self.outputs[0].error)
     logprobs = property(lambda self: self.outputs[0].logprobs)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks in use
-    num_free_blocks: int
-    num_preemptions: int
-    prefix_cache_hit_rate: float  # hit tokens / queried tokens, first admissions only (vLLM)
-    num_steps: int
