@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from nanoserve.entrypoints.bundled import default_model_dir
     from nanoserve.utils import cpu
-    from nanoserve.utils.bundled import default_model_dir
 
     hf_logging.set_verbosity_error()
     if args.threads:

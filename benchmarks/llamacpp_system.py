@@ -35,7 +35,7 @@ def options() -> dict:
 
 
 def gguf_dir() -> Path:
-    from nanoserve.utils.bundled import cache_root
+    from nanoserve.entrypoints.bundled import cache_root
 
     return cache_root() / "gguf"
 

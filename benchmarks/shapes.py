@@ -50,7 +50,7 @@ def make_random_model(shape: str, out: str | None = None, dtype: torch.dtype = t
     model.save_pretrained(path)
     del model
     if tokenizer and config.vocab_size >= 49152:
-        from nanoserve.utils.bundled import default_model_dir
+        from nanoserve.entrypoints.bundled import default_model_dir
 
         for name in TOKENIZER_FILES:
             if (Path(default_model_dir()) / name).is_file():

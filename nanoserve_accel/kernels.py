@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanoserve.utils.bundled import cache_root
+from nanoserve.entrypoints.bundled import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.c"))

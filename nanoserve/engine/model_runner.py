@@ -23,7 +23,7 @@ from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.layers.attention import AttentionMetadata, get_backend
-from nanoserve.layers.sampler import Logprob, Sampler
+from nanoserve.layers.sampler import Logprob, Sampler, to_device
 from nanoserve.models.decoder import RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoserve.models.loader import load_model
 from nanoserve.sampling_params import SamplingParams
@@ -42,14 +42,6 @@ class ModelInputs:
 class ModelRunnerOutput:
     token_ids: dict[str, int | str]  # each sampling request's token (or the sampler's error)
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # where asked for
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int32,
-              ) -> torch.Tensor:
-    """A host list on `device`: on CUDA through pinned memory and an asynchronous copy (torch's
-    caching host allocator reuses the pinned blocks, and knows when a copy is done with one)."""
-    tensor = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return tensor.to(device, non_blocking=True)
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:

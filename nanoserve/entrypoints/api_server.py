@@ -30,12 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve import LLM
+from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
 from nanoserve.entrypoints.serving_engine import OpenAIServing
-from nanoserve.utils.bundled import MODEL_NAME
 
 
 class Server:

@@ -21,11 +21,11 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanoserve.config import EngineConfig, flash_attn_missing
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
+from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
-from nanoserve.utils.bundled import default_model_dir
 
 Prompt = str | list[int]
 

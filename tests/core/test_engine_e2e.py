@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.utils.bundled import default_model_dir
+from nanoserve.entrypoints.bundled import default_model_dir
 
 pytestmark = pytest.mark.slow
 

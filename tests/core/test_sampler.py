@@ -231,7 +231,8 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in ("tolist", "item", "cpu", "numpy") or (
-                name == "to" and "cpu" in map(str, [*args[1:], *kwargs.values()])):
+                name == "to" and args[0].device.type != "cpu"  # (a host list's upload is not)
+                and "cpu" in map(str, [*args[1:], *kwargs.values()])):
             self.reads.append((name, tuple(args[0].shape)))
         if name in ("exponential_", "multinomial", "rand", "rand_like", "uniform_"):
             self.draws.append((name, tuple(a for a in args if isinstance(a, int))))

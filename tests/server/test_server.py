@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.utils.bundled import default_model_dir
+from nanoserve.entrypoints.bundled import default_model_dir
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "reader"))
