@@ -53,6 +53,7 @@ class EngineConfig:
     torch_compile: bool | None = None  # compile the small element-wise modules; None: on CUDA
     enable_fast_paths: bool = True  # the fast-path plugins (nanoserve_accel), if installed
     usage_context: str = "llm"  # "llm" or "server": whose defaults apply (vLLM's UsageContext)
+    tensor_parallel_size: int = 1  # processes the model is split over (engine/workers.py)
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
     trace_file: str | None = None  # append one JSON line per step (nanoserve/trace.py)
@@ -66,6 +67,8 @@ class EngineConfig:
             value = getattr(self, name)
             need(value is None or (is_int(value) and value >= low), name,
                  f"None or an integer >= {low}")
+        need(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+             "tensor_parallel_size", "an integer >= 1")
         need(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES), ("batching", BATCHING),
@@ -164,6 +167,11 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
                          f"max_position_embeddings ({model_limit})")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if config.tensor_parallel_size > 1 and getattr(hf_config, name) % \
+                config.tensor_parallel_size:  # each rank its share
+            raise ValueError(f"{name} ({getattr(hf_config, name)}) must be divisible by "
+                             f"tensor_parallel_size ({config.tensor_parallel_size})")
     seqs, tokens = batch_defaults(device, config.usage_context)
     tokens = config.max_num_batched_tokens or (tokens if config.enable_chunked_prefill
                                                else max(tokens, max_model_len))

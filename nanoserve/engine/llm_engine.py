@@ -102,6 +102,11 @@ class LLMEngine:
         """End a waiting, running or preempted request now; None if there is none."""
         return self.scheduler.finish_request(request_id, FinishReason.ABORT)
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor parallel); garbage collection and exit
+        stop them too."""
+        self.model_runner.shutdown()
+
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.usage, bm.num_free_blocks,

@@ -12,16 +12,19 @@ tokens are the only thing read back; decode steps replay CUDA graphs (cuda_graph
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.config import TORCH_DTYPES, EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from nanoserve.engine.workers import Workers, init_rank, receive, torchrun_rank
 from nanoserve.layers.attention import AttentionMetadata, get_backend
 from nanoserve.layers.sampler import Logprob, Sampler, to_device
 from nanoserve.models.decoder import RMSNorm, RotaryEmbedding, SiluAndMul
@@ -30,12 +33,49 @@ from nanoserve.sampling_params import SamplingParams
 
 
 @dataclass
+class StepInputs:
+    """What prepare_inputs derives from a SchedulerOutput, as host lists: what a tensor-parallel
+    rank 0 sends the other ranks each step (block tables travel with it)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    num_decode_tokens: int
+    decode_context_lens: list[int]
+    decode_block_tables: list[list[int]]  # padded to the widest (block 0: never read)
+    cu_seqlens_q: list[int]
+    cu_seqlens_k: list[int]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    prefill_block_tables: list[list[int]]
+    sample_indices: list[int]  # the row of each sampling request's last token
+
+    def to(self, device: torch.device) -> ModelInputs:
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            width = len(rows[0]) if rows else 0
+            return to_device([x for r in rows for x in r], device).view(len(rows), width)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_device(self.slot_mapping, device, torch.int64),
+            num_decode_tokens=self.num_decode_tokens,
+            decode_context_lens=to_device(self.decode_context_lens, device),
+            decode_block_tables=table(self.decode_block_tables),
+            num_prefill_tokens=self.cu_seqlens_q[-1],
+            cu_seqlens_q=to_device(self.cu_seqlens_q, device),
+            cu_seqlens_k=to_device(self.cu_seqlens_k, device), max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k, prefill_block_tables=table(self.prefill_block_tables))
+        return ModelInputs(to_device(self.input_ids, device, torch.int64),
+                           to_device(self.positions, device, torch.int64), meta,
+                           to_device(self.sample_indices, device, torch.int64))
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampling] int64: the row of each one's last token
-    sample_requests: list[Request]
+    sample_indices: torch.Tensor  # [num_sampling] int64
+    sample_requests: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -44,8 +84,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)  # where asked for
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """The step's rows, in the order above. Reads `out` and its requests; changes nothing."""
+def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list[Request]]:
+    """The step's rows, in the order above, and the requests that sample. Reads `out` and its
+    requests; changes nothing."""
     # (request, first position, number of new tokens, samples?)
     decode_rows = [(s.request, s.request.num_computed_tokens, 1, s.samples)
                    for s in out.scheduled if s.is_decode]
@@ -67,22 +108,25 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + start + n)
 
-    def block_tables(rows: list) -> torch.Tensor:  # padding -> block 0, never read
+    def block_tables(rows: list) -> list[list[int]]:
         width = max((len(r[0].block_table) for r in rows), default=0)
-        table = [x for r in rows for x in r[0].block_table + [0] * (width - len(r[0].block_table))]
-        return to_device(table, device).view(len(rows), width)
+        return [r[0].block_table + [0] * (width - len(r[0].block_table)) for r in rows]
 
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slots, device, torch.int64), num_decode_tokens=len(decode_rows),
-        decode_context_lens=to_device([start + 1 for _, start, _, _ in decode_rows], device),
-        decode_block_tables=block_tables(decode_rows), num_prefill_tokens=cu_q[-1],
-        cu_seqlens_q=to_device(cu_q, device), cu_seqlens_k=to_device(cu_k, device),
-        max_seqlen_q=max((n for _, _, n, _ in prefill_rows), default=0),
-        max_seqlen_k=max((start + n for _, start, n, _ in prefill_rows), default=0),
-        prefill_block_tables=block_tables(prefill_rows))
-    return ModelInputs(to_device(input_ids, device, torch.int64),
-                       to_device(positions, device, torch.int64), meta,
-                       to_device(sample_indices, device, torch.int64), sample_requests)
+    step = StepInputs(
+        input_ids, positions, slots, len(decode_rows),
+        [start + 1 for _, start, _, _ in decode_rows], block_tables(decode_rows), cu_q, cu_k,
+        max((n for _, _, n, _ in prefill_rows), default=0),
+        max((start + n for _, start, n, _ in prefill_rows), default=0),
+        block_tables(prefill_rows), sample_indices)
+    return step, sample_requests
+
+
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """The step's tensors on `device` (step_inputs, then StepInputs.to)."""
+    step, reqs = step_inputs(out, block_size)
+    inputs = step.to(device)
+    inputs.sample_requests = reqs
+    return inputs
 
 
 def fast_paths() -> list[tuple[str, Callable[[ModelRunner], None]]]:
@@ -114,13 +158,23 @@ def compile_elementwise(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
-        """`config` is resolved (resolve_config): no "auto" or None is left in it."""
+    def __init__(self, config: EngineConfig, model_dir: str, rank: int = 0,
+                 init_method: str | None = None) -> None:
+        """`config` is resolved (resolve_config): no "auto" or None is left in it. Tensor
+        parallel: rank 0 starts the other ranks (workers.py); on a rank > 0 this serves steps
+        until rank 0 stops, then exits the process."""
         self.config, self.block_size = config, config.block_size
         self.device, self.dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
         self.backend = get_backend(config.attention_backend)
+        tp, self.workers = config.tensor_parallel_size, None
+        if tp > 1:
+            rank = torchrun_rank() or rank
+            self.workers = Workers(config, model_dir) if rank == 0 else None
+            group = init_rank(config, rank, self.workers.init_method if rank == 0 else init_method)
+            if self.workers is not None:
+                self.workers.group = group
         torch.manual_seed(config.seed)
-        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, tp, rank)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_layers = self.model.attention_layers()
         self.sampler = Sampler(config.seed, self.device)
@@ -131,12 +185,21 @@ class ModelRunner:
         if config.torch_compile:
             compile_elementwise(self.model)
         self.num_kv_blocks = config.num_kv_blocks or self._kv_blocks_from_memory()
+        if tp > 1:  # every rank's cache holds the same blocks (of its own heads): the fewest
+            blocks = torch.tensor([self.num_kv_blocks])
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)
+            self.num_kv_blocks = int(blocks)
         self._allocate_kv_cache()
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.model = CUDAGraphRunner(self.model, config.max_num_seqs, self.max_blocks_per_seq,
                                          self.num_kv_blocks, self.block_size)  # the sink block
+        if rank > 0:
+            while (step := receive(group)) is not None:
+                self.run(step)
+            dist.destroy_process_group()
+            sys.exit(0)
 
     def kv_bytes_per_block(self) -> int:
         layer = self.attn_layers[0]  # K and V of block_size tokens, in every layer
@@ -157,8 +220,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._allocate_kv_cache(num_blocks=1)
-        for step in self.warmup_steps():  # the logits and the sampler's buffers count too
-            self.execute_model(step)
+        for out in self.warmup_steps():  # the logits and the sampler's buffers count too
+            step, reqs = step_inputs(out, self.block_size)
+            if (logits := self.run(step)) is not None:
+                self.sample(logits, reqs)
         peak = torch.cuda.max_memory_allocated(self.device)
         for attn in self.attn_layers:  # drop the scratch cache's last references
             attn.bind(torch.empty(0), torch.empty(0), self.backend)
@@ -202,14 +267,34 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; return each sampling request's token (or the sampler's error)."""
-        inputs = prepare_inputs(out, self.block_size, self.device)
+        step, reqs = step_inputs(out, self.block_size)
+        if self.workers is None:
+            logits = self.run(step)
+        else:  # tensor parallel: the other ranks run it too
+            self.workers.send(step)
+            try:
+                logits = self.run(step)
+            except RuntimeError as e:  # a collective failed: which rank is gone?
+                self.workers.check(e)
+        return self.sample(logits, reqs) if reqs else ModelRunnerOutput({})
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass (every rank), and the sampling rows' logits (rank 0's)."""
+        inputs = step.to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        reqs = inputs.sample_requests
-        if not reqs:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        return self.model.compute_logits(hidden[inputs.sample_indices]) \
+            if step.sample_indices else None
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> ModelRunnerOutput:
         token_ids, logprobs = self.sampler(logits, [r.sampling_params for r in reqs],
                                            [r.generator for r in reqs])
         return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, token_ids)},
                                  {r.request_id: lp for r, lp in zip(reqs, logprobs)
                                   if lp is not None})
+
+    def shutdown(self) -> None:
+        """Tensor parallel: stop the other ranks (a no-op with one)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None

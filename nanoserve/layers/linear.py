@@ -71,3 +71,38 @@ class RowParallelLinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         dist.all_reduce(y)
         return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the vocabulary (tp_size > 1): a token outside them embeds as zeros
+    here, and the sum over ranks (one all-reduce) is its embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int) -> None:
+        self.shard = divide(vocab_size, tp_size, "vocab_size")
+        super().__init__(self.shard, hidden_size)
+        self.tp_size, self.start = tp_size, tp_rank * self.shard
+
+    def full_shape(self, param: nn.Parameter, part: int) -> tuple[int, ...]:
+        return (self.shard * self.tp_size, param.shape[1])
+
+    def weight_loader(self, param: nn.Parameter, loaded, part: int = 0) -> None:
+        param.data.copy_(loaded[self.start:self.start + self.shard])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.shard)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside.unsqueeze(1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The logits of this rank's vocabulary rows, gathered on rank 0, where the sampler runs
+    (None elsewhere)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        first = dist.get_rank() == 0
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if first else None
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=-1) if first else None

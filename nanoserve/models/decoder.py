@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import Attention, AttentionMetadata
-from nanoserve.layers.linear import ColumnParallelLinear, RowParallelLinear, divide
+from nanoserve.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -187,7 +193,8 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp_size == 1 \
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_size, tp_rank)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_theta(config))
         self.layers = nn.ModuleList(DecoderLayer(config, self.rotary_emb, tp_size, tp_rank)
@@ -204,12 +211,14 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp_size: int = 1, tp_rank: int = 0) -> None:
         super().__init__()
         check_config(config)
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, tp_size, tp_rank)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) \
+            if tp_size == 1 else ParallelLMHead(config.vocab_size, config.hidden_size, tp_size,
+                                                tp_rank)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -218,7 +227,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab]; called only on the rows that sample a token."""
+        """[n, hidden] -> [n, vocab] (tensor parallel: on rank 0, None elsewhere); called only
+        on the rows that sample a token."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:

@@ -72,12 +72,13 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
 
 
 @torch.no_grad()
-def load_model(model_dir: str, dtype: torch.dtype,
-               device: torch.device) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+               tp_rank: int = 0) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+    """The model (tensor parallel: this rank's shard of it), its weights loaded."""
     config = load_config(model_dir)
     # Build on the meta device: no memory and no random init for weights we overwrite.
     with torch.device("meta"):
-        model = DecoderForCausalLM(config)
+        model = DecoderForCausalLM(config, tp_size, tp_rank)
     model = model.to(dtype).to_empty(device=torch.device(device))
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
