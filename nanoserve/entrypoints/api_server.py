@@ -168,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        ("max-num-batched-tokens", int), ("max-model-len", int),
                        ("block-size", int), ("num-kv-blocks", int),
                        ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
-                       ("scheduling-policy", str), ("batching", str),
+                       ("scheduling-policy", str), ("batching", str), ("tensor-parallel-size", int),
                        ("attention-backend", str), ("seed", int),
                        ("trace-file", str)):
         p.add_argument(f"--{flag}", type=kind, default=None)
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                     "block_size", "num_kv_blocks", "kv_cache_memory_gib",
                     "long_prefill_token_threshold", "scheduling_policy", "batching",
+                    "tensor_parallel_size",
                     "attention_backend",
                     "seed", "enable_prefix_caching", "enable_chunked_prefill",
                     "enforce_eager")
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     UvicornServer(uvicorn.Config(server.app, host=args.host, port=args.port,
                                  log_level=args.uvicorn_log_level,
                                  timeout_graceful_shutdown=args.shutdown_timeout)).run()
+    llm.shutdown()  # tensor parallel: the other ranks
+    if engine.fatal is not None:
+        sys.exit(f"nanoserve serve: {engine.fatal}")
 
 
 def cli() -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
+import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.workers import WorkerDied
 from nanoserve.entrypoints.metrics import Metrics
 from nanoserve.entrypoints.outputs import RequestOutput
 
@@ -54,6 +58,7 @@ class EngineThread:
         self.build, self.num_threads = build, num_threads
         self.llm: LLM | None = None
         self.error: BaseException | None = None  # what building the LLM raised
+        self.fatal: WorkerDied | None = None  # what ended serving
         self.ready = threading.Event()  # set once the LLM exists, or failed to
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, before any request
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,8 +109,10 @@ class EngineThread:
             return
         finally:
             self.ready.set()
-        while self._receive(block=not self.llm.has_unfinished_requests()):
+        while self.fatal is None and self._receive(block=not self.llm.has_unfinished_requests()):
             self._step()
+        if self.fatal is not None:
+            return
         for request_id in list(self.live):  # shutdown: what is left is aborted
             self.llm.abort(request_id)
         while self.llm.has_unfinished_requests():
@@ -114,6 +121,13 @@ class EngineThread:
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
+        except WorkerDied as e:  # a tensor-parallel rank is gone: end every request, then exit
+            print(f"nanoserve: {e}", file=sys.stderr, flush=True)
+            self.fatal = e
+            for request_id in list(self.live):
+                self.llm.abort(request_id)
+            outputs, self.llm._pending = self.llm._pending, []  # (no step can return them)
+            os.kill(os.getpid(), signal.SIGTERM)  # the server shuts down, main() exits 1
         except Exception:  # a bug or a failed forward: fail the requests, keep serving
             traceback.print_exc()
             outputs = []

@@ -11,6 +11,8 @@ import os
 import signal
 import time
 
+import openai
+import psutil
 import pytest
 
 from nanoserve import LLM, SamplingParams
@@ -29,8 +31,6 @@ def engine(name: str, tp: int = 2, **config) -> LLM:
 def children() -> set[int]:
     """This process's children, but multiprocessing's resource tracker (Python's own helper for
     spawned processes, one per interpreter, which exits with it)."""
-    import psutil
-
     return {p.pid for p in psutil.Process().children(recursive=True)
             if "resource_tracker" not in " ".join(p.cmdline())}
 
@@ -126,3 +126,34 @@ def test_heads_that_do_not_divide_are_refused_before_loading(monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         engine("llama", 0)
     assert not children()
+
+
+def test_the_server_on_two_ranks_answers_with_one_ranks_text_and_exits_if_a_rank_dies():
+    """`--tensor-parallel-size 2` behind the real openai client: TP=1's greedy text; a killed
+    rank makes the server end its requests and exit non-zero, leaving no process."""
+    from tests.common.tiny_model import tiny_model_dir
+    from tests.server.test_server import MAX_MODEL_LEN, TINY_CONFIG, TINY_FLAGS, ServerProcess
+
+    [ref] = LLM(tiny_model_dir(MAX_MODEL_LEN), **TINY_CONFIG).generate(
+        ["The quick brown fox"], GREEDY, use_tqdm=False)
+    server = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--tensor-parallel-size",
+                                                           "2"])
+    try:
+        out = server.client().completions.create(
+            model="m", prompt="The quick brown fox", max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert out.choices[0].text == ref.text
+        ranks = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                 if "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 1
+        ranks[0].kill()
+        try:  # the engine ends the request (an abort), or the server is already gone
+            out = server.client().completions.create(model="m", prompt="x", max_tokens=4)
+            assert out.choices[0].finish_reason == "abort"
+        except openai.APIError:
+            pass
+        assert server.proc.wait(60) != 0
+        assert not psutil.pid_exists(ranks[0].pid) or \
+            psutil.Process(ranks[0].pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        server.stop()
