@@ -19,6 +19,10 @@ without it the columns show "-" and one line says so.
     python scripts/bench/step_times.py                       # fp32 and bf16, 1/16/64 rows
     python scripts/bench/step_times.py --dtypes float32 --rows 16 --steps 30
     python scripts/bench/step_times.py --cpu-time --threads 1  # on a shared, busy machine
+    python scripts/bench/step_times.py --model DIR              # e.g. scripts/bench/make_model.py's
+    python scripts/bench/step_times.py --model DIR --tensor-parallel-size 2 --no-llamacpp
+        # the optimized path on 2 ranks, each with its share of the cores (no eager column);
+        # run it alternately with --tensor-parallel-size 1 to compare
 """
 
 from __future__ import annotations
@@ -65,13 +69,15 @@ def decode_batch(runner: ModelRunner, rows: int, context: int):
     return sched.SchedulerOutput(scheduled=rows, token_budget=len(rows))
 
 
-def make_runner(dtype: str, rows: int, context: int, block_size: int | None = None,
-                enforce_eager: bool = False) -> ModelRunner:
+def make_runner(model_dir: str, dtype: str, rows: int, context: int,
+                block_size: int | None = None, fast_paths: bool = True,
+                tensor_parallel_size: int = 1) -> ModelRunner:
     """A CPU runner with KV blocks for `rows` requests of `context` + 1 tokens (block_size None:
     the engine's default)."""
-    model_dir = default_model_dir()
     config = resolve_config(EngineConfig(dtype=dtype, device="cpu", block_size=block_size,
-                                         enforce_eager=enforce_eager), load_config(model_dir))
+                                         enable_fast_paths=fast_paths,
+                                         tensor_parallel_size=tensor_parallel_size),
+                            load_config(model_dir))
     blocks = rows * -(-(context + 1) // config.block_size)
     return ModelRunner(replace(config, num_kv_blocks=blocks), model_dir)
 
@@ -130,12 +136,12 @@ def llama_steps(dtype: str, rows_list: list[int], args) -> dict:
     saying why) where it is not set up, left out or fails."""
     if args.no_llamacpp:
         return {}
-    why_not = llamacpp_system.unavailable(default_model_dir(), dtype)
+    why_not = llamacpp_system.unavailable(args.model, dtype)
     if why_not:
         print(f"llama.cpp {dtype}: skipped: {why_not}")
         return {}
     try:
-        data = llamacpp_system.step_times(default_model_dir(), dtype, rows_list, args.context,
+        data = llamacpp_system.step_times(args.model, dtype, rows_list, args.context,
                                           args.steps, torch.get_num_threads())
     except RuntimeError as e:
         print(f"llama.cpp {dtype}: failed: {' / '.join(str(e).splitlines()[-3:])}")
@@ -158,13 +164,19 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time this thread's CPU time, not wall time (use with --threads 1)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave out the llama.cpp columns")
+    ap.add_argument("--model", default=None, help="HF directory (default: the bundled SmolLM2)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="> 1: time the optimized path on this many ranks, no eager column")
     args = ap.parse_args()
+    args.model = args.model or default_model_dir()
+    tp = args.tensor_parallel_size
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows_list = [int(r) for r in args.rows.split(",")]
     print(cpu.describe())
-    print(f"threads {torch.get_num_threads()}, CPU capability "
+    print(f"tensor_parallel_size {tp}, threads {torch.get_num_threads()} (a rank's: its share), "
+          f"CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
     header = ("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
@@ -173,12 +185,14 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         peer = llama_steps(dtype, rows_list, args)
         print(header, "|---" * header.count("|", 1) + "|", sep="\n")
-        runners = {name: make_runner(dtype, max(rows_list), args.context, args.block_size, eager)
-                   for name, eager in (("eager", True), ("optimized", False))}
-        params = sum(p.numel() for p in runners["eager"].model.parameters())
-        weight_bytes = params * runners["eager"].dtype.itemsize
+        variants = (("optimized", True),) if tp > 1 else (("eager", False), ("optimized", True))
+        runners = {name: make_runner(args.model, dtype, max(rows_list), args.context,
+                                     args.block_size, fast, tp) for name, fast in variants}
+        first = runners["optimized"]
+        params = sum(p.numel() for p in first.model.parameters()) * tp  # (a rank's shard)
+        weight_bytes = params * first.dtype.itemsize
         stream_ms, copy_rate = weight_stream_ms(weight_bytes)
-        gflops, gemm, gemm_flops = gemm_gflops(runners["eager"].dtype, clock)
+        gflops, gemm, gemm_flops = gemm_gflops(first.dtype, clock)
         for rows in rows_list:
             outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
             times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm")}
@@ -191,7 +205,8 @@ def main() -> None:
                         runners[name].execute_model(outs[name])
                     if step >= 2:
                         times[name].append(clock() - t)
-            eager, opt = (statistics.median(times[n]) * 1e3 for n in ("eager", "optimized"))
+            opt = statistics.median(times["optimized"]) * 1e3
+            eager = statistics.median(times["eager"]) * 1e3 if "eager" in times else float("nan")
             best = min(times["optimized"]) * 1e3
             roofline_ms = rows * 2 * params / (gflops * 1e9) * 1e3
             # The same GEMM, timed between the steps: the machine's rate in the same moments.
@@ -204,6 +219,8 @@ def main() -> None:
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
                   f"{peer_cols} |")
+        for runner in runners.values():
+            runner.shutdown()
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
               f"{gflops * 1e9 / (2 * params):.0f} tok/s; weight-streaming bound: "
               f"{weight_bytes / 1e6:.0f} MB of weights at {copy_rate:.1f} GB/s (best copy) = "

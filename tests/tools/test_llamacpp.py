@@ -213,10 +213,9 @@ def load_step_times():
 
 def test_step_times_skips_llamacpp_in_one_line(tmp_path, monkeypatch, capsys):
     step_times = load_step_times()
-    monkeypatch.setattr(step_times, "default_model_dir", lambda: "/m/SmolLM2")
     monkeypatch.setattr(llamacpp_system, "unavailable",
                         lambda m, d: unavailable(m, d, venv=tmp_path / "no-venv"))
-    args = SimpleNamespace(no_llamacpp=False, context=240, steps=2)
+    args = SimpleNamespace(no_llamacpp=False, context=240, steps=2, model="/m/SmolLM2")
     assert step_times.llama_steps("float32", [1, 16], args) == {}
     lines = capsys.readouterr().out.splitlines()
     why = unavailable("/m/SmolLM2", "float32", venv=tmp_path / "no-venv")
