@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from nanoserve.utils import bundled
+from nanoserve.entrypoints import bundled
 from tests.common.helpers import bind_kv_cache, run_step
 
 
