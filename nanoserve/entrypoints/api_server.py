@@ -9,20 +9,21 @@ engine thread that owns the `LLM` (engine_thread.py).
 Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are {"error": {"message",
 "type", "param", "code"}}: 400 for a bad value (param names the field), 404 for an unknown
-model, 401 without the --api-key. Tokenizing prompts runs on one tokenizer thread; the event
-loop only parses and writes JSON. Unknown fields are ignored, as in vLLM."""
+model, 401 without the --api-key. Prompts are tokenized on tokenizer threads; the event
+loop only parses and writes JSON. Unknown fields are ignored, as in vLLM; fields nanoserve cannot
+honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
 import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import prometheus_client as prom
 import uvicorn
@@ -36,6 +37,8 @@ from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
 from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
+from nanoserve.entrypoints.validation import MAX_DEPTH, check_json, longest_token
 
 
 class Server:
@@ -44,9 +47,10 @@ class Server:
         self.model_name, self.api_key = model_name, api_key
         self.max_model_len = self.llm.config.max_model_len
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
-        self.tokenize_pool = ThreadPoolExecutor(1, "nanoserve-tokenize")  # HF: one at a time
-        self.completion = OpenAIServingCompletion(engine, model_name, self.tokenize_pool)
-        self.chat = OpenAIServingChat(engine, model_name, self.tokenize_pool)
+        self.tokenizers = TokenizerPool(self.llm.tokenizer)
+        longest = longest_token(self.llm.tokenizer)
+        self.completion = OpenAIServingCompletion(engine, model_name, self.tokenizers, longest)
+        self.chat = OpenAIServingChat(engine, model_name, self.tokenizers, longest)
         self.app = FastAPI(lifespan=self.lifespan)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
@@ -59,11 +63,14 @@ class Server:
         self.engine.loop = asyncio.get_running_loop()
         yield
         self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
-        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenizers.shutdown()
 
     def authorize(self, request: Request) -> None:
-        if self.api_key is not None and \
-                request.headers.get("authorization") != f"Bearer {self.api_key}":
+        """In constant time: how long the comparison takes says nothing of the key."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             raise APIError("missing or wrong API key", None, 401)
 
     async def health(self) -> Response:
@@ -126,8 +133,11 @@ class Server:
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # deeper than the parser's stack: check_json's 400, sooner
+            raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep") from None
         if not isinstance(body, dict):
             raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
+        check_json(body)
         return body
 
 

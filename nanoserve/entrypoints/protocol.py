@@ -13,7 +13,8 @@ from pydantic import BaseModel
 
 class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             413: "RequestTooLargeError", 500: "InternalServerError"}
+             413: "RequestTooLargeError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
         super().__init__(message)
@@ -22,6 +23,12 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.TYPES[self.code],
                                        "param": self.param, "code": self.code}}, self.code)
+
+
+def error_event(message: str, code: int) -> str:
+    """An error that ends a stream already answered 200 (vLLM's shape), before `[DONE]`."""
+    return sse({"error": {"message": message, "type": APIError.TYPES[code], "param": None,
+                          "code": code}})
 
 
 class StreamOptions(BaseModel):
@@ -69,8 +76,12 @@ def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
 
 
 def chat_message(message: dict) -> dict:
-    """{"role", "content"}; content parts ({"type": "text", "text"}) are joined, as in vLLM."""
+    """{"role", "content"}; content parts ({"type": "text", "text"}) are joined, as in vLLM. An
+    assistant message that made tool calls may have no content (OpenAI): it is "" here, and the
+    calls are left for a chat template that renders them."""
     role, content = message.get("role"), message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)

@@ -8,20 +8,24 @@ from typing import Any
 
 from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, chat_message
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
+from nanoserve.entrypoints.validation import NO_OP_CHAT
 from nanoserve.layers.sampler import Logprob
 
 
 class OpenAIServingChat(OpenAIServing):
-    request_model, prompt_field = ChatCompletionRequest, "messages"
+    request_model, prompt_field, no_op = ChatCompletionRequest, "messages", NO_OP_CHAT
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def prompt_of(self, req: ChatCompletionRequest) -> Any:
         return [chat_message(m) for m in req.messages]
 
-    def tokenize(self, messages: Any) -> list[int]:
+    def num_chars(self, messages: Any) -> int:
+        return sum(len(m["content"]) for m in messages)
+
+    def tokenize(self, tokenizer: Any, messages: Any) -> list[int]:
         try:
-            return self.tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as e:  # a template error: the messages do not fit it
             raise APIError(f"messages do not fit the chat template: {e}", "messages") from e

@@ -7,11 +7,12 @@ from typing import Any
 
 from nanoserve.entrypoints.protocol import APIError, CompletionRequest
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
+from nanoserve.entrypoints.validation import NO_OP_COMPLETION
 from nanoserve.layers.sampler import Logprob
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    request_model, prompt_field = CompletionRequest, "prompt"
+    request_model, prompt_field, no_op = CompletionRequest, "prompt", NO_OP_COMPLETION
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
@@ -24,9 +25,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = prompt[0]
         return prompt
 
-    def tokenize(self, prompt: Any) -> list[int]:
+    def num_chars(self, prompt: Any) -> int:
+        return len(prompt) if isinstance(prompt, str) else 0
+
+    def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
         """Token ids pass through (the engine checks their range)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def num_logprobs_of(self, req: CompletionRequest) -> int | None:
         return req.logprobs

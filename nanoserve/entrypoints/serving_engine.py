@@ -6,21 +6,20 @@ streaming or not, aborts its request: its KV blocks are free at the next step. T
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.engine_thread import Collector, EngineThread
 from nanoserve.entrypoints.outputs import CompletionOutput
 from nanoserve.entrypoints.protocol import APIError, SamplingRequest, param_of, sse, usage_of
+from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
+from nanoserve.entrypoints.validation import check_no_ops, check_stop, fewest_tokens, parse
 from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import RequestOutputKind
 
@@ -46,14 +45,15 @@ class Choice:
 class OpenAIServing:
     request_model: type[SamplingRequest]
     prompt_field: str  # the request's field that holds the prompt
+    no_op: dict[str, tuple]  # fields nanoserve cannot honour, and their values that change nothing
     object_name: str  # the response's "object"
     chunk_object: str  # a streamed chunk's
     id_prefix: str
 
-    def __init__(self, engine: EngineThread, model_name: str,
-                 tokenize_pool: ThreadPoolExecutor) -> None:
-        self.engine, self.model_name, self.tokenize_pool = engine, model_name, tokenize_pool
-        self.tokenizer = engine.llm.tokenizer
+    def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
+                 longest_token: int) -> None:
+        self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
+        self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
 
     # -- what the endpoints define -------------------------------------------------------
@@ -61,8 +61,12 @@ class OpenAIServing:
     def prompt_of(self, req: Any) -> Any:
         raise NotImplementedError
 
-    def tokenize(self, prompt: Any) -> list[int]:
-        """On the tokenizer thread."""
+    def num_chars(self, prompt: Any) -> int:
+        """The characters of the prompt's text (0 for token ids): its length bound."""
+        raise NotImplementedError
+
+    def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
+        """On a tokenizer thread, with that thread's tokenizer."""
         raise NotImplementedError
 
     def max_tokens_of(self, req: Any) -> int | None:
@@ -87,12 +91,8 @@ class OpenAIServing:
 
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
-        try:
-            req = self.request_model.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = str(err["loc"][0]) if err["loc"] else None
-            raise APIError(f"{param}: {err['msg']}", param) from None
+        check_no_ops(body, self.no_op)
+        req = parse(self.request_model, body)
         params, prompt_ids = await self.to_engine_input(req)
         collector, streaming = Collector(), False
         self.engine.add(collector, prompt_ids, params)
@@ -130,6 +130,7 @@ class OpenAIServing:
         return None if num is None else self.logprobs(entries, offset, num)
 
     async def to_engine_input(self, req: Any) -> tuple[SamplingParams, list[int]]:
+        """Every check that costs little first, on the event loop; then the tokenizer."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
         for name, ok in (("echo", not getattr(req, "echo", False)),
@@ -139,22 +140,13 @@ class OpenAIServing:
             if not ok:
                 raise APIError(f"{name} is not supported by nanoserve, got "
                                f"{getattr(req, name)!r}", name)
-        ids = await asyncio.get_running_loop().run_in_executor(
-            self.tokenize_pool, self.tokenize, self.prompt_of(req))
+        check_stop(req.stop, req.stop_token_ids)
         max_tokens = self.max_tokens_of(req)
-        if len(ids) >= self.max_model_len:
-            raise APIError(f"{self.prompt_field} has {len(ids)} tokens: this model's maximum "
-                           f"context length is {self.max_model_len} tokens", self.prompt_field)
-        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens >= 1 and \
-                len(ids) + max_tokens > self.max_model_len:
-            raise APIError(f"max_tokens is {max_tokens}, with the {len(ids)} prompt tokens more "
-                           f"than this model's maximum context length ({self.max_model_len})",
-                           "max_tokens")
-        try:
+        try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, seed=req.seed,
-                max_tokens=self.max_model_len - len(ids) if max_tokens is None else max_tokens,
+                max_tokens=1 if max_tokens is None else max_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, logprobs=self.num_logprobs_of(req),
@@ -162,6 +154,22 @@ class OpenAIServing:
         except ValueError as e:
             field_name = param_of(str(e), set(type(req).model_fields), self.prompt_field)
             raise APIError(str(e), self.wire_name(field_name)) from None
+        prompt = self.prompt_of(req)
+        num_chars = self.num_chars(prompt)
+        if (fewest := fewest_tokens(num_chars, self.longest_token)) >= self.max_model_len:
+            raise APIError(f"{self.prompt_field} has {num_chars} characters, so at least "
+                           f"{fewest} tokens: this model's maximum context length is "
+                           f"{self.max_model_len} tokens", self.prompt_field)
+        ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
+        if len(ids) >= self.max_model_len:
+            raise APIError(f"{self.prompt_field} has {len(ids)} tokens: this model's maximum "
+                           f"context length is {self.max_model_len} tokens", self.prompt_field)
+        if max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        elif len(ids) + max_tokens > self.max_model_len:
+            raise APIError(f"max_tokens is {max_tokens}, with the {len(ids)} prompt tokens more "
+                           f"than this model's maximum context length ({self.max_model_len})",
+                           "max_tokens")
         return params, ids
 
     def wire_name(self, field_name: str | None) -> str | None:

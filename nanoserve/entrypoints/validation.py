@@ -1,0 +1,115 @@
+"""The server's checks on a request body before anything costly is done with it: each failure is
+an APIError, a 400 naming the field (protocol.py's shape), never a 500 and never silence.
+
+- The JSON itself: nesting depth, and strings that cannot be UTF-8 (a lone surrogate such as
+  "\\ud800" is valid JSON but no tokenizer or response can take it).
+- Fields vLLM or OpenAI define that nanoserve cannot honour (logit_bias, tools, ...): accepted
+  only at their no-op values, else a 400 naming them; a field that changes results must never
+  be ignored. Fields nobody defines are still ignored, as in vLLM.
+- The types: numbers are numbers (not bools, not strings), token ids are integers (pydantic's
+  strict mode), with the field named.
+- `stop` and `stop_token_ids` capped: the engine thread checks them at every token.
+- A text prompt that cannot fit max_model_len, rejected from its length before it is tokenized
+  (`fewest_tokens`: a sound lower bound on its token count)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from nanoserve.entrypoints.protocol import APIError
+
+MAX_DEPTH = 32  # JSON nesting: a chat message with content parts needs 5
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 4096  # OpenAI allows 4 stop strings; vLLM any number
+MAX_STOP_TOKEN_IDS = 256
+
+# field -> its values that change nothing. Anything else is a 400 naming the field.
+NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+         "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+         "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+         "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+         "allowed_token_ids": (None,), "bad_words": (None, []),
+         "response_format": (None, {"type": "text"}), "guided_json": (None,),
+         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+         "structured_outputs": (None,)}
+NO_OP_COMPLETION = {**NO_OP, "suffix": (None, "")}
+NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"),
+              "functions": (None, []), "function_call": (None, "none", "auto"),
+              "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+              "chat_template": (None,), "chat_template_kwargs": (None, {}),
+              "documents": (None,), "modalities": (None, ["text"])}
+
+
+def check_json(body: dict) -> None:
+    """Depth and UTF-8, walked without recursion (a deep body must not recurse here either);
+    the error names the top-level field the bad value sits under."""
+    stack = [(value, key, 1) for key, value in body.items()]
+    for key in body:
+        _check_string(key, None)  # a field with no name it can be called by
+    while stack:
+        value, field, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(f"{field} is nested more than {MAX_DEPTH} levels deep", field)
+        if isinstance(value, str):
+            _check_string(value, field)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_string(k, field)
+                stack.append((v, field, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, field, depth + 1) for v in value)
+
+
+def _check_string(s: str, field: str | None) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{field or 'a field name'} has a string that is not valid Unicode (a "
+                       f"lone surrogate at character {e.start})", field) from None
+
+
+def check_no_ops(body: dict, no_op: dict[str, tuple]) -> None:
+    for name, allowed in no_op.items():
+        value = body.get(name)
+        # `value in allowed` would let True pass as 1: compare the type too
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise APIError(f"{name} is not supported by nanoserve, got {value!r:.100}", name)
+
+
+def parse(model: type[BaseModel], body: dict) -> Any:
+    """The request as `model`, strict: true is not 1, "3" is not 3, 1.0 is not a token id."""
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        where = ".".join(map(str, err["loc"][1:]))
+        raise APIError(f"{field}: {err['msg']}{f' (at {where})' if where else ''}, got "
+                       f"{err.get('input')!r:.100}", field) from None
+
+
+def check_stop(stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise APIError(f"stop must be at most {MAX_STOP_STRINGS} strings of at most "
+                       f"{MAX_STOP_CHARS} characters in all, got {len(stops)} strings of "
+                       f"{sum(map(len, stops))}", "stop")
+    if len(stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+        raise APIError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got "
+                       f"{len(stop_token_ids)}", "stop_token_ids")
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for. A vocabulary entry's string has a
+    character per byte it encodes (byte-level BPE: GPT-2, Llama 3, SmolLM) or per character
+    (SentencePiece, "▁" for a space; a byte-fallback "<0xE2>" stands for less than one), and a
+    byte is at most one character: so no token covers more characters than its entry is long.
+    (A normalizer that deletes characters would break this; these tokenizers have none.)"""
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(t) for t in vocab if t is not None)
+
+
+def fewest_tokens(num_chars: int, longest: int) -> int:
+    """A lower bound on the tokens of a text of `num_chars` characters."""
+    return -(-num_chars // longest)

@@ -1,0 +1,89 @@
+"""The server tests' harness: a real `python -m nanoserve.serve` process on 127.0.0.1 (an
+ephemeral port) on the tiny model, its /metrics parsed, its RSS read; every wait bounded."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 2048  # long requests, so a disconnect surely comes before their end
+TINY_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
+              "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+TINY_CONFIG = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": 16,
+               "max_num_seqs": 32, "max_num_batched_tokens": 512}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, flags: list[str], name: str = "m") -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve.serve", model, "--port", str(self.port),
+             "--served-model-name", name, *flags], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not come up in 180 s")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def rss_mib(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1]) / 1024
+
+    def wait_idle(self, timeout: float = 30) -> dict[str, float]:
+        """Until nothing runs or waits and every KV block is free (bounded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["nanoserve:num_requests_running"], m["nanoserve:num_requests_waiting"],
+                    m["nanoserve:kv_cache_usage_perc"]) == (0, 0, 0):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle after {timeout} s: {m}")
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def post(server, path: str, content: bytes | str, headers: dict | None = None):
+    return httpx.post(server.base + path, content=content, timeout=30,
+                      headers={"content-type": "application/json", **(headers or {})})
