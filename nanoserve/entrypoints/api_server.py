@@ -1,8 +1,9 @@
 """§3–§4 served: an OpenAI-compatible HTTP server on the chapter's loop ("receive, schedule,
 forward, process, repeat"), with requests that really arrive while others run; the layout is
-vLLM's entrypoints/openai: this file (the app, the flags), protocol.py (the wire), one serving
-class per endpoint (serving_completion.py, serving_chat.py, sharing serving_engine.py), and the
-engine thread that owns the `LLM` (engine_thread.py).
+vLLM's entrypoints/openai: this file (the app), cli_args.py (the flags), protocol.py (the wire)
+and validation.py (its checks), one serving class per endpoint (serving_completion.py,
+serving_chat.py, sharing serving_engine.py), the engine thread that owns the `LLM`
+(engine_thread.py), and the HTTP layer's limits under it all (http_limits.py).
 
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 
@@ -15,12 +16,12 @@ honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -29,10 +30,13 @@ import prometheus_client as prom
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
 from nanoserve.entrypoints.bundled import MODEL_NAME
+from nanoserve.entrypoints.cli_args import parse_args
 from nanoserve.entrypoints.engine_thread import EngineThread
+from nanoserve.entrypoints.http_limits import HttpLimits
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
@@ -124,11 +128,16 @@ class Server:
         size = request.headers.get("content-length", "0")
         if not size.isdigit() or int(size) > self.max_body_bytes:
             raise too_big
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise too_big
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_big
+        except ClientDisconnect:  # gone before its body was read: nobody to answer, no log
+            raise APIError("the client disconnected", None, 499) from None
+        body = b"".join(chunks)
         try:
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -158,35 +167,6 @@ class UvicornServer(uvicorn.Server):
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="nanoserve serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", default=None, help="HF model directory (default: bundled)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument("--reserved-cpus", type=int, default=0,
-                   help="CPU cores left to the HTTP front end and clients, not the engine's "
-                        "threads (default 0: the engine computes on every core; ignored if "
-                        "OMP_NUM_THREADS is set)")
-    for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
-                       ("max-num-batched-tokens", int), ("max-model-len", int),
-                       ("block-size", int), ("num-kv-blocks", int),
-                       ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
-                       ("scheduling-policy", str), ("batching", str), ("tensor-parallel-size", int),
-                       ("attention-backend", str), ("seed", int),
-                       ("trace-file", str)):
-        p.add_argument(f"--{flag}", type=kind, default=None)
-    for flag in ("enable-prefix-caching", "enable-chunked-prefill"):
-        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
-    for flag in ("enforce-eager", "no-fast-paths"):
-        p.add_argument(f"--{flag}", action="store_true", default=None)
-    return p.parse_args(argv)
 
 
 def engine_threads(reserved: int) -> int | None:
@@ -237,8 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # the engine keeps some open too
+    limits = HttpLimits(args.max_url_bytes, args.max_header_bytes, args.max_header_count,
+                        args.header_timeout, args.body_timeout,
+                        min(args.max_connections, max(files // 2, 16)))
     UvicornServer(uvicorn.Config(server.app, host=args.host, port=args.port,
-                                 log_level=args.uvicorn_log_level,
+                                 log_level=args.uvicorn_log_level, http=limits.protocol(),
+                                 timeout_keep_alive=args.timeout_keep_alive,
                                  timeout_graceful_shutdown=args.shutdown_timeout)).run()
     llm.shutdown()  # tensor parallel: the other ranks
     if engine.fatal is not None:

@@ -13,7 +13,9 @@ from pydantic import BaseModel
 
 class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             413: "RequestTooLargeError", 500: "InternalServerError",
+             408: "RequestTimeoutError", 413: "RequestTooLargeError", 414: "URITooLongError",
+             431: "RequestHeaderFieldsTooLargeError", 499: "ClientClosedRequest",
+             500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:

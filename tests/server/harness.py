@@ -3,10 +3,12 @@ ephemeral port) on the tiny model, its /metrics parsed, its RSS read; every wait
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,14 +33,17 @@ class ServerProcess:
     def __init__(self, model: str, flags: list[str], name: str = "m") -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        # The log to a file: a pipe nobody reads would block the server once 64 KiB are in it.
+        fd, self.log_path = tempfile.mkstemp(prefix="nanoserve-server-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanoserve.serve", model, "--port", str(self.port),
              "--served-model-name", name, *flags], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=fd, stderr=subprocess.STDOUT, text=True)
+        os.close(fd)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.log()}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     return
@@ -47,6 +52,9 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not come up in 180 s")
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "none"),
@@ -81,6 +89,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        Path(self.log_path).unlink(missing_ok=True)
         return self.proc.returncode
 
 

@@ -1,0 +1,55 @@
+"""`nanoserve serve`'s flags (vLLM's entrypoints/openai/cli_args.py): the server's own, the HTTP
+layer's limits (http_limits.py; vLLM's h11 names are aliases), and the engine's settings under
+vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+
+from nanoserve.entrypoints.http_limits import HttpLimits
+
+DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nanoserve serve", description=DESCRIPTION)
+    p.add_argument("model", nargs="?", default=None, help="HF model directory (default: bundled)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    limits = HttpLimits()  # the HTTP layer's bounds (http_limits.py); h11 names: vLLM's
+    p.add_argument("--max-header-bytes", "--h11-max-incomplete-event-size", type=int,
+                   default=limits.max_header_bytes, help="request line and headers (431)")
+    p.add_argument("--max-header-count", "--h11-max-header-count", type=int,
+                   default=limits.max_header_count, help="headers per request (431)")
+    p.add_argument("--max-url-bytes", type=int, default=limits.max_url_bytes, help="(414)")
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                   help="seconds a client has to send its headers (408)")
+    p.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                   help="seconds a client has to send its body after the headers (408)")
+    p.add_argument("--max-connections", type=int, default=limits.max_connections,
+                   help="connections open at once; more get a 503 (at most half the open-file "
+                        "limit)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open (uvicorn's)")
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="CPU cores left to the HTTP front end and clients, not the engine's "
+                        "threads (default 0: the engine computes on every core; ignored if "
+                        "OMP_NUM_THREADS is set)")
+    for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
+                       ("max-num-batched-tokens", int), ("max-model-len", int),
+                       ("block-size", int), ("num-kv-blocks", int),
+                       ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
+                       ("scheduling-policy", str), ("batching", str), ("tensor-parallel-size", int),
+                       ("attention-backend", str), ("seed", int),
+                       ("trace-file", str)):
+        p.add_argument(f"--{flag}", type=kind, default=None)
+    for flag in ("enable-prefix-caching", "enable-chunked-prefill"):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
+    for flag in ("enforce-eager", "no-fast-paths"):
+        p.add_argument(f"--{flag}", action="store_true", default=None)
+    return p.parse_args(argv)
