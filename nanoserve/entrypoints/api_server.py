@@ -21,7 +21,6 @@ import contextlib
 import hmac
 import json
 import os
-import resource
 import signal
 import sys
 import time
@@ -34,9 +33,8 @@ from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
 from nanoserve.entrypoints.bundled import MODEL_NAME
-from nanoserve.entrypoints.cli_args import parse_args
+from nanoserve.entrypoints.cli_args import engine_threads, http_limits, parse_args
 from nanoserve.entrypoints.engine_thread import EngineThread
-from nanoserve.entrypoints.http_limits import HttpLimits
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
@@ -49,6 +47,7 @@ class Server:
     def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
+        self.draining = False  # shutting down: new requests get a 503
         self.max_model_len = self.llm.config.max_model_len
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
@@ -104,6 +103,8 @@ class Server:
     async def serve(self, request: Request, serving: OpenAIServing) -> Response:
         """Read the body, let `serving` answer; a disconnect before the answer aborts it."""
         try:
+            if self.draining:
+                raise APIError("the server is shutting down", None, 503)
             self.authorize(request)
             body = await self.read_body(request)
         except APIError as e:
@@ -157,29 +158,36 @@ async def _disconnected(request: Request) -> None:
 
 
 class UvicornServer(uvicorn.Server):
+    """uvicorn's server, with nanoserve's end: when --shutdown-timeout passes, the engine
+    aborts what still runs, so every handler answers (a JSON 503, or an error event and
+    [DONE]) instead of uvicorn cancelling it mid-response; uvicorn's own cancel comes only
+    GRACE seconds later."""
+
+    GRACE = 5.0
+
+    def __init__(self, config: uvicorn.Config, server: Server, timeout: float) -> None:
+        super().__init__(config)
+        self.app_server, self.timeout = server, timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        self.app_server.draining = True
+        expiry = asyncio.get_running_loop().call_later(self.timeout,
+                                                       self.app_server.engine.expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            expiry.cancel()
+
     @contextlib.contextmanager
     def capture_signals(self):
-        """SIGINT/SIGTERM: uvicorn stops accepting and lets in-flight requests finish (then
-        cancels them after --shutdown-timeout); unlike uvicorn's own, no re-raise: exit 0."""
+        """SIGINT/SIGTERM: stop accepting, let in-flight requests finish (for up to
+        --shutdown-timeout); unlike uvicorn's own, no re-raise: exit 0, or 1 if any was cut."""
         old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-
-
-def engine_threads(reserved: int) -> int | None:
-    """The engine's compute threads while serving: the cores less the reserved ones. vLLM's CPU
-    serving keeps a core for its API process; here the front end is a thread that runs while
-    the engine thread is inside a C call (the GIL is free there), and leaving a core idle for
-    it measured slower (docs/serving.md), so by default nothing is reserved."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
-    cores = len(os.sched_getaffinity(0))
-    if not 0 <= reserved < cores:
-        sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
-    return cores - reserved
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,17 +225,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
-    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # the engine keeps some open too
-    limits = HttpLimits(args.max_url_bytes, args.max_header_bytes, args.max_header_count,
-                        args.header_timeout, args.body_timeout,
-                        min(args.max_connections, max(files // 2, 16)))
-    UvicornServer(uvicorn.Config(server.app, host=args.host, port=args.port,
-                                 log_level=args.uvicorn_log_level, http=limits.protocol(),
-                                 timeout_keep_alive=args.timeout_keep_alive,
-                                 timeout_graceful_shutdown=args.shutdown_timeout)).run()
+    limits = http_limits(args)
+    config = uvicorn.Config(server.app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, http=limits.protocol(),
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=args.shutdown_timeout + UvicornServer.GRACE)
+    UvicornServer(config, server, args.shutdown_timeout).run()
     llm.shutdown()  # tensor parallel: the other ranks
     if engine.fatal is not None:
         sys.exit(f"nanoserve serve: {engine.fatal}")
+    if engine.num_expired:
+        sys.exit(f"nanoserve serve: {engine.num_expired} request(s) cut off when "
+                 f"--shutdown-timeout ({args.shutdown_timeout:g} s) passed")
 
 
 def cli() -> None:

@@ -1,10 +1,13 @@
 """`nanoserve serve`'s flags (vLLM's entrypoints/openai/cli_args.py): the server's own, the HTTP
 layer's limits (http_limits.py; vLLM's h11 names are aliases), and the engine's settings under
-vLLM's names."""
+vLLM's names; and the engine's thread count, from --reserved-cpus."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import sys
 
 from nanoserve.entrypoints.http_limits import HttpLimits
 
@@ -53,3 +56,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("enforce-eager", "no-fast-paths"):
         p.add_argument(f"--{flag}", action="store_true", default=None)
     return p.parse_args(argv)
+
+
+def engine_threads(reserved: int) -> int | None:
+    """The engine's compute threads while serving: the cores less the reserved ones. vLLM's CPU
+    serving keeps a core for its API process; here the front end is a thread that runs while
+    the engine thread is inside a C call (the GIL is free there), and leaving a core idle for
+    it measured slower (docs/serving.md), so by default nothing is reserved."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= reserved < cores:
+        sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
+    return cores - reserved
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The flags' limits; connections at most half the open-file limit (the engine, the
+    tokenizer and the log keep files open too)."""
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return HttpLimits(args.max_url_bytes, args.max_header_bytes, args.max_header_count,
+                      args.header_timeout, args.body_timeout,
+                      min(args.max_connections, max(files // 2, 16)))

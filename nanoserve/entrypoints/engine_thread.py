@@ -26,6 +26,10 @@ from nanoserve.entrypoints.metrics import Metrics
 from nanoserve.entrypoints.outputs import RequestOutput
 
 
+class ShuttingDown(Exception):
+    """An add after expire(): the server is past its --shutdown-timeout (a 503)."""
+
+
 class Collector:
     """One request's outputs, kept on the event loop until its handler reads them."""
 
@@ -63,6 +67,8 @@ class EngineThread:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, before any request
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Collector] = {}  # request_id -> its collector
+        self.expired = False  # past --shutdown-timeout: what runs is aborted, no add accepted
+        self.num_expired = 0  # requests that expire() cut off
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
         self.thread.start()
 
@@ -71,6 +77,12 @@ class EngineThread:
 
     def abort(self, collector: Collector) -> None:
         self.inbox.put(("abort", collector))
+
+    def expire(self) -> None:
+        """Shutdown's timeout passed: abort every request (each handler then answers 503, or
+        ends its stream with an error event) and refuse any add from now on."""
+        self.expired = True  # (read by the handlers; set before the engine sees the item)
+        self.inbox.put(("expire", None))
 
     def _to_loop(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is listening
@@ -88,6 +100,15 @@ class EngineThread:
             if kind == "abort":
                 if collector.request_id in self.live:
                     self.llm.abort(collector.request_id)
+                continue
+            if kind == "expire":
+                self.num_expired += len(self.live)
+                for request_id in list(self.live):
+                    self.llm.abort(request_id)
+                continue
+            if self.expired:
+                self._to_loop(_resolve, collector.accepted, ShuttingDown("the server is "
+                                                                         "shutting down"))
                 continue
             try:
                 collector.request_id = self.llm.add_request(*rest)

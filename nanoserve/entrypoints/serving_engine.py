@@ -15,9 +15,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
-from nanoserve.entrypoints.engine_thread import Collector, EngineThread
+from nanoserve.entrypoints.engine_thread import Collector, EngineThread, ShuttingDown
 from nanoserve.entrypoints.outputs import CompletionOutput
-from nanoserve.entrypoints.protocol import APIError, SamplingRequest, param_of, sse, usage_of
+from nanoserve.entrypoints.protocol import (
+    APIError,
+    SamplingRequest,
+    error_event,
+    param_of,
+    sse,
+    usage_of,
+)
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import check_no_ops, check_stop, fewest_tokens, parse
 from nanoserve.layers.sampler import Logprob
@@ -98,6 +105,8 @@ class OpenAIServing:
         self.engine.add(collector, prompt_ids, params)
         try:
             if (error := await collector.accepted) is not None:
+                if isinstance(error, ShuttingDown):
+                    raise APIError("the server is shutting down", None, 503)
                 if not isinstance(error, ValueError):
                     raise APIError(f"the engine failed to add the request: {error!r}", None, 500)
                 fields = set(self.request_model.model_fields)
@@ -121,10 +130,18 @@ class OpenAIServing:
         finally:
             if not streaming:  # a no-op once finished; else the client is gone
                 self.engine.abort(collector)
+        if any(c.finish_reason == "abort" for c in choices):  # not the client: it is here
+            raise self.aborted()
         answer = [self.choice(i, c, "".join(c.texts), self.logprobs_or_none(
             c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
         return JSONResponse({**head, "choices": answer, "usage": usage_of(
             len(prompt_ids), sum(c.num_tokens for c in choices))})
+
+    def aborted(self) -> APIError:
+        """Why a request the client still waits for was aborted: shutdown, or a failed step."""
+        if self.engine.expired:
+            return APIError("the server is shutting down (--shutdown-timeout passed)", None, 503)
+        return APIError("the engine failed while running the request", None, 500)
 
     def logprobs_or_none(self, entries: list, offset: int, num: int | None) -> dict | None:
         return None if num is None else self.logprobs(entries, offset, num)
@@ -196,7 +213,10 @@ class OpenAIServing:
                             yield sse({**head, "choices": [
                                 self.choice(c.index, choice, c.text, logprobs, delta=True)]})
                             choice.num_chars += len(c.text)
-            if include_usage:  # vLLM's bench client reads usage only from a choice-less chunk
+            if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
+                error = self.aborted()
+                yield error_event(error.message, error.code)
+            elif include_usage:  # vLLM's bench client reads usage only from a choice-less chunk
                 yield sse({**head, "choices": [], "usage": usage_of(
                     num_prompt, sum(c.num_tokens for c in choices))})
             yield "data: [DONE]\n\n"

@@ -69,6 +69,15 @@ class ServerProcess:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         return int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1]) / 1024
 
+    def wait_until(self, ok, timeout: float = 30) -> dict[str, float]:
+        """Until ok(metrics) (bounded)."""
+        deadline = time.monotonic() + timeout
+        while not ok(m := self.metrics()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not there after {timeout} s: {m}")
+            time.sleep(0.05)
+        return m
+
     def wait_idle(self, timeout: float = 30) -> dict[str, float]:
         """Until nothing runs or waits and every KV block is free (bounded)."""
         deadline = time.monotonic() + timeout

@@ -32,7 +32,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.bundled import default_model_dir
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
-from tests.server.harness import MAX_MODEL_LEN, TINY_FLAGS, ServerProcess, post
+from tests.server.harness import (
+    MAX_MODEL_LEN,
+    TINY_CONFIG,  # noqa: F401 (tests/tp imports it from here)
+    TINY_FLAGS,
+    ServerProcess,
+    post,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "reader"))
 from trace_page import build_page, read_runs  # noqa: E402
