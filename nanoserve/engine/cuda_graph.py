@@ -1,19 +1,28 @@
-"""CUDA graphs for decode steps (GPU only), a fast path of §4's "one forward step". The launch cost
-of a decode step's hundreds of small kernels, not the arithmetic, sets the step time (§1: decode
-is memory bound). A graph records the launches once and replays them in one call, for fixed
-shapes only: one graph per batch size of a ladder, a decode batch padded to the next. If capture
-fails (a host sync, as in flash-attn after 2.8.3), decode runs eagerly. The runner wraps the
-model as a module with the model's own interface, so the ModelRunner just calls it."""
+"""The GPU's speed, outside the chapter: CUDA graphs for decode steps, torch.compile of the
+element-wise modules, and sizing the KV cache from GPU memory after the largest steps ran.
+
+CUDA graphs (§4's "one forward step"): the launch cost of a decode step's hundreds of small
+kernels, not the arithmetic, sets the step time (§1: decode is memory bound). A graph records the
+launches once and replays them in one call, for fixed shapes only: one graph per batch size of a
+ladder, a decode batch padded to the next. If capture fails (a host sync, as in flash-attn after
+2.8.3), decode runs eagerly. The runner wraps the model as a module with the model's own
+interface, so the ModelRunner just calls it."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.config import EngineConfig
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.models.decoder import RMSNorm, RotaryEmbedding, SiluAndMul
+from nanoserve.sampling_params import SamplingParams
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -98,3 +107,56 @@ class CUDAGraphRunner(nn.Module):
             buffer[:bs].copy_(value)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+def compile_elementwise(model: nn.Module) -> None:
+    """torch.compile the small element-wise modules (RMSNorm, SiLU-and-mul, RoPE), each into one
+    kernel, as nano-vllm does on CUDA; compiled once per class (dynamic shapes) and bound to every
+    instance. The decoder's code, and what it computes, stay as written."""
+    compiled: dict[type, Callable] = {}
+    for module in model.modules():
+        if type(module) in (RMSNorm, SiluAndMul, RotaryEmbedding):
+            cls = type(module)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(cls.forward, dynamic=True)
+            module.forward = compiled[cls].__get__(module)
+
+
+def cuda_kv_budget(runner) -> int:
+    """The ModelRunner's GPU memory left for KV: gpu_memory_utilization of the GPU, less what
+    others use, the weights, and the peak of the largest steps run on a one-block cache."""
+    device = runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    runner._allocate_kv_cache(num_blocks=1)
+    for out in warmup_steps(runner.config):  # the logits and the sampler's buffers count too
+        runner.run_alone(out)
+    peak = torch.cuda.max_memory_allocated(device)
+    for attn in runner.attn_layers:  # drop the scratch cache's last references
+        attn.bind(torch.empty(0), torch.empty(0), runner.backend)
+    del runner.kv_cache
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use_by_others = total - free - torch.cuda.memory_allocated(device)
+    return int(total * runner.config.gpu_memory_utilization) - peak - in_use_by_others
+
+
+def warmup_steps(config: EngineConfig) -> list[SchedulerOutput]:
+    """The largest steps the engine will run, all reading one scratch block: a full prefill
+    budget of fresh sequences, and max_num_seqs decodes at max_model_len (the widest decode a
+    CUDA graph captures)."""
+    c, bs, steps = config, config.block_size, [SchedulerOutput(), SchedulerOutput()]
+
+    def request(i: int, num_tokens: int, num_computed: int) -> Request:
+        req = Request(f"warmup-{i}", [0] * num_tokens, SamplingParams(max_tokens=1))
+        req.num_computed_tokens = num_computed
+        req.block_table = [0] * -(-num_tokens // bs)
+        return req
+
+    for i, start in enumerate(range(0, c.max_num_batched_tokens, bs)):
+        n = min(bs, c.max_num_batched_tokens - start)
+        steps[0].scheduled.append(ScheduledRequest(request(i, n, 0), n, samples=True))
+    for i in range(c.max_num_seqs):
+        req = request(i, c.max_model_len, c.max_model_len - 1)
+        steps[1].scheduled.append(ScheduledRequest(req, 1, samples=True, is_decode=True))
+    return steps

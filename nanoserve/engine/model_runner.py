@@ -12,6 +12,7 @@ tokens are the only thing read back; decode steps replay CUDA graphs (cuda_graph
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,15 +22,13 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import TORCH_DTYPES, EngineConfig
-from nanoserve.engine.cuda_graph import CUDAGraphRunner
+from nanoserve.engine.cuda_graph import CUDAGraphRunner, compile_elementwise, cuda_kv_budget
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.workers import Workers, init_rank, receive, torchrun_rank
 from nanoserve.layers.attention import AttentionMetadata, get_backend
 from nanoserve.layers.sampler import Logprob, Sampler, to_device
-from nanoserve.models.decoder import RMSNorm, RotaryEmbedding, SiluAndMul
 from nanoserve.models.loader import load_model
-from nanoserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -144,19 +143,6 @@ def fast_paths() -> list[tuple[str, Callable[[ModelRunner], None]]]:
     return found
 
 
-def compile_elementwise(model: torch.nn.Module) -> None:
-    """torch.compile the small element-wise modules (RMSNorm, SiLU-and-mul, RoPE), each into one
-    kernel, as nano-vllm does on CUDA; compiled once per class (dynamic shapes) and bound to every
-    instance. The decoder's code, and what it computes, stay as written."""
-    compiled: dict[type, Callable] = {}
-    for module in model.modules():
-        if type(module) in (RMSNorm, SiluAndMul, RotaryEmbedding):
-            cls = type(module)
-            if cls not in compiled:
-                compiled[cls] = torch.compile(cls.forward, dynamic=True)
-            module.forward = compiled[cls].__get__(module)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, rank: int = 0,
                  init_method: str | None = None) -> None:
@@ -169,7 +155,7 @@ class ModelRunner:
         tp, self.workers = config.tensor_parallel_size, None
         if tp > 1:
             rank = torchrun_rank() or rank
-            self.workers = Workers(config, model_dir) if rank == 0 else None
+            self.workers = Workers(config, model_dir, worker_main) if rank == 0 else None
             group = init_rank(config, rank, self.workers.init_method if rank == 0 else init_method)
             if self.workers is not None:
                 self.workers.group = group
@@ -207,7 +193,7 @@ class ModelRunner:
                 * self.dtype.itemsize)
 
     def _kv_blocks_from_memory(self) -> int:
-        budget = self._cuda_kv_budget() if self.device.type == "cuda" else \
+        budget = cuda_kv_budget(self) if self.device.type == "cuda" else \
             int(self.config.kv_cache_memory_gib * 2**30)
         num_blocks = budget // self.kv_bytes_per_block() - 1  # the sink block is in budget too
         if num_blocks < 1:
@@ -215,43 +201,11 @@ class ModelRunner:
                              "kv_cache_memory_gib / gpu_memory_utilization or set num_kv_blocks")
         return num_blocks
 
-    def _cuda_kv_budget(self) -> int:
-        """Memory left for KV after the weights and the peak of the warm-up steps."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._allocate_kv_cache(num_blocks=1)
-        for out in self.warmup_steps():  # the logits and the sampler's buffers count too
-            step, reqs = step_inputs(out, self.block_size)
-            if (logits := self.run(step)) is not None:
-                self.sample(logits, reqs)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        for attn in self.attn_layers:  # drop the scratch cache's last references
-            attn.bind(torch.empty(0), torch.empty(0), self.backend)
-        del self.kv_cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        in_use_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_utilization) - peak - in_use_by_others
-
-    def warmup_steps(self) -> list[SchedulerOutput]:
-        """The largest steps the engine will run, all reading one scratch block: a full prefill
-        budget of fresh sequences, and max_num_seqs decodes at max_model_len (the widest
-        decode a CUDA graph captures)."""
-        c, steps = self.config, [SchedulerOutput(), SchedulerOutput()]
-
-        def request(i: int, num_tokens: int, num_computed: int) -> Request:
-            req = Request(f"warmup-{i}", [0] * num_tokens, SamplingParams(max_tokens=1))
-            req.num_computed_tokens = num_computed
-            req.block_table = [0] * -(-num_tokens // self.block_size)
-            return req
-
-        for i, start in enumerate(range(0, c.max_num_batched_tokens, self.block_size)):
-            n = min(self.block_size, c.max_num_batched_tokens - start)
-            steps[0].scheduled.append(ScheduledRequest(request(i, n, 0), n, samples=True))
-        for i in range(c.max_num_seqs):
-            req = request(i, c.max_model_len, c.max_model_len - 1)
-            steps[1].scheduled.append(ScheduledRequest(req, 1, samples=True, is_decode=True))
-        return steps
+    def run_alone(self, out: SchedulerOutput) -> None:
+        """One step on this rank only, its tokens dropped (the GPU's KV sizing, cuda_graph.py)."""
+        step, reqs = step_inputs(out, self.block_size)
+        if (logits := self.run(step)) is not None:
+            self.sample(logits, reqs)
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """One tensor [2, layers, blocks + 1, block_size, kv_heads, head_dim]. The extra
@@ -298,3 +252,10 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.stop()
             self.workers = None
+
+
+def worker_main(config: EngineConfig, model_dir: str, rank: int, init_method: str) -> None:
+    """A rank > 0 started by rank 0 (workers.py): its shard of the model, stepping until told to
+    stop. Ctrl-C goes to rank 0, which stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ModelRunner(config, model_dir, rank, init_method)  # returns only by exiting the process

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import socket
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 
 if TYPE_CHECKING:
     from nanoserve.config import EngineConfig
-    from nanoserve.engine.model_runner import StepInputs
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a step's all-reduce never takes this long
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the ranks > 0 wait this long for the next step
@@ -57,8 +56,8 @@ def torchrun_rank() -> int | None:
         else None
 
 
-def receive(group: dist.ProcessGroup) -> StepInputs | None:
-    """On a rank > 0: the next step's inputs (None: shut down)."""
+def receive(group: dist.ProcessGroup) -> object | None:
+    """On a rank > 0: the next step's inputs, rank 0's StepInputs (None: shut down)."""
     box = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
@@ -68,7 +67,9 @@ class Workers:
     """Rank 0's hold on the other ranks: it starts them (unless torchrun did), sends them each
     step and stops them."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str,
+                 worker_main: Callable[[EngineConfig, str, int, str], None]) -> None:
+        """`worker_main(config, model_dir, rank, init_method)` runs a rank > 0 (model_runner's)."""
         self.procs: list[mp.Process] = []
         self.init_method = None  # torchrun: its environment
         if torchrun_rank() is None:
@@ -96,7 +97,7 @@ class Workers:
         if error is not None:
             raise WorkerDied(f"a tensor-parallel collective failed: {error}") from error
 
-    def send(self, step: StepInputs | None) -> None:
+    def send(self, step: object | None) -> None:
         self.check()
         try:
             dist.broadcast_object_list([step], src=0, group=self.group)
@@ -122,12 +123,3 @@ def kill(procs: list[mp.Process]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
-
-
-def worker_main(config: EngineConfig, model_dir: str, rank: int, init_method: str) -> None:
-    """A rank > 0 started by rank 0: its shard of the model, stepping until told to stop. Ctrl-C
-    goes to rank 0, which stops it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from nanoserve.engine.model_runner import ModelRunner
-
-    ModelRunner(config, model_dir, rank, init_method)  # returns only by exiting the process

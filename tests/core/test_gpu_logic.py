@@ -169,16 +169,17 @@ def test_block_size_defaults_and_flash_attn_rule():
 
 
 def test_the_kv_budget_warmup_steps_run_on_one_scratch_block():
-    """What _cuda_kv_budget measures on a GPU: a full prefill budget, then max_num_seqs
+    """What cuda_kv_budget measures on a GPU: a full prefill budget, then max_num_seqs
     decodes at max_model_len; both run (here on a CPU) on a cache of one block."""
     from nanoserve import LLM
+    from nanoserve.engine.cuda_graph import warmup_steps
     from tests.common.tiny_model import tiny_model_dir
 
     llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, block_size=16,
               max_num_seqs=5, max_num_batched_tokens=70, max_model_len=300,
               skip_tokenizer_init=True, enable_fast_paths=False)
     runner = llm.model_runner
-    prefill, decode = runner.warmup_steps()
+    prefill, decode = warmup_steps(runner.config)
     assert prefill.num_scheduled_tokens == 70 and len(decode.scheduled) == 5
     assert all(s.request.num_computed_tokens == 299 for s in decode.scheduled)
     runner._allocate_kv_cache(num_blocks=1)
