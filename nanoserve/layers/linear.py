@@ -101,7 +101,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     (None elsewhere)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        return self.gather(F.linear(hidden, self.weight))
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         first = dist.get_rank() == 0
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if first else None
         dist.gather(logits, parts, dst=0)

@@ -111,3 +111,27 @@ def test_fast_and_plain_models_agree(dtype):
             logits[eager] = runner.model.compute_logits(hidden).float()
     tol = 1e-4 if dtype == "float32" else 5e-2 * logits[True].abs().max().item()
     torch.testing.assert_close(logits[False], logits[True], atol=tol, rtol=0)
+
+
+def test_two_ranks_take_the_c_gemms_and_keep_their_collectives():
+    """Tensor parallel: o_proj and down_proj (row-parallel) run the plan's GEMM and then their
+    all-reduce, the vocab-parallel lm_head its GEMM and then the gather; greedy tokens equal the
+    plain path's on two ranks (fp32; every linear with a bias, added once)."""
+    from nanoserve import SamplingParams
+    from nanoserve_accel.linear import AllReducedLinear, GatheredLMHead
+    from tests.common.architectures import architecture_dir, prompts
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for fast in (True, False):
+        llm = LLM(architecture_dir("llama-bias"), dtype="float32", skip_tokenizer_init=True,
+                  num_kv_blocks=32, block_size=16, tensor_parallel_size=2,
+                  enable_fast_paths=fast)
+        try:
+            model = llm.model_runner.model
+            kinds = {type(m) for m in model.modules()}
+            assert (AllReducedLinear in kinds and GatheredLMHead in kinds) == fast
+            tokens[fast] = [o.token_ids for o in llm.generate(prompts(), greedy, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    assert tokens[True] == tokens[False]

@@ -50,6 +50,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import cpu
 from nanoserve_accel.kernels import compile_kernels
 from nanoserve_accel.linear import PanelsLinear
+from nanoserve_accel.plan import onednn_runs
 
 
 def decode_batch(runner: ModelRunner, rows: int, context: int):
@@ -91,7 +92,7 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     x = torch.randn(256, 576, dtype=dtype)
     w1, w2 = torch.randn(1536, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     ways = {"plain": lambda: F.linear(F.linear(x, w1), w2)}
-    if torch.backends.mkldnn.is_available():
+    if onednn_runs(dtype):  # (oneDNN's bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)
         p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in (w1, w2))
 
         def packed():

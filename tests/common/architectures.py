@@ -17,6 +17,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 ARCHITECTURES = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),  # as SmolLM2
+    # Every linear with a bias: o_proj and down_proj's are added once, on rank 0, under TP.
+    "llama-bias": lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**TINY, use_sliding_window=False),  # q/k/v biases
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32),  # head_dim != hidden / heads, q/k norms
