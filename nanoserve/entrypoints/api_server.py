@@ -138,16 +138,16 @@ class Server:
                     raise too_big
         except ClientDisconnect:  # gone before its body was read: nobody to answer, no log
             raise APIError("the client disconnected", None, 499) from None
-        body = b"".join(chunks)
+        raw = b"".join(chunks)
         try:
-            body = json.loads(body)
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"the body is not valid JSON: {e}") from None
         except RecursionError:  # deeper than the parser's stack: check_json's 400, sooner
             raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep") from None
         if not isinstance(body, dict):
             raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
-        check_json(body)
+        check_json(body, raw)
         return body
 
 

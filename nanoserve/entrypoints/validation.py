@@ -14,6 +14,8 @@ an APIError, a 400 naming the field (protocol.py's shape), never a 500 and never
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -41,32 +43,35 @@ NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"
               "documents": (None,), "modalities": (None, ["text"])}
 
 
-def check_json(body: dict) -> None:
-    """Depth and UTF-8, walked without recursion (a deep body must not recurse here either);
-    the error names the top-level field the bad value sits under."""
-    stack = [(value, key, 1) for key, value in body.items()]
-    for key in body:
-        _check_string(key, None)  # a field with no name it can be called by
-    while stack:
-        value, field, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise APIError(f"{field} is nested more than {MAX_DEPTH} levels deep", field)
-        if isinstance(value, str):
-            _check_string(value, field)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                _check_string(k, field)
-                stack.append((v, field, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, field, depth + 1) for v in value)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can make a surrogate
 
 
-def _check_string(s: str, field: str | None) -> None:
+def check_json(body: dict, raw: bytes) -> None:
+    """Depth, then UTF-8, each named by the top-level field the bad value sits under. This runs
+    on the event loop, so per element only containers are looked at (level by level, without
+    recursion), and strings only if `raw` (the body's bytes) has a surrogate's escape at all:
+    then each field is encoded whole, in C."""
+    for field, value in body.items():
+        level, depth = [value], 1
+        while level := [v for c in level if isinstance(c, (dict, list))
+                        for v in (c.values() if isinstance(c, dict) else c)
+                        if isinstance(v, (dict, list))]:
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise APIError(f"{field} is nested more than {MAX_DEPTH} levels deep", field)
+    if SURROGATE_ESCAPE.search(raw) is None:
+        return
+    for field, value in body.items():
+        _check_utf8(field, None)  # a field with no name it can be called by
+        _check_utf8(json.dumps(value, ensure_ascii=False), field)
+
+
+def _check_utf8(s: str, field: str | None) -> None:
     try:
         s.encode("utf-8")
-    except UnicodeEncodeError as e:
+    except UnicodeEncodeError:
         raise APIError(f"{field or 'a field name'} has a string that is not valid Unicode (a "
-                       f"lone surrogate at character {e.start})", field) from None
+                       f"lone surrogate)", field) from None
 
 
 def check_no_ops(body: dict, no_op: dict[str, tuple]) -> None:

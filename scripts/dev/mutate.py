@@ -11,6 +11,8 @@ its snippet after the code it targets changes.
     python scripts/dev/mutate.py --full     # then the whole suite, slow tests too, on survivors
     python scripts/dev/mutate.py --list     # the mutants and their rules
     python scripts/dev/mutate.py top_p      # only mutants whose name contains "top_p"
+    python scripts/dev/mutate.py server detok stop_string --tests tests/server/test_*.py
+                                            # the server's and detokenizer's, on its tests only
 
 Run it before a change to the scheduler, block manager or sampler is called done. Hypothesis
 runs derandomized (profile "mutate" in tests/conftest.py), so results are reproducible.
@@ -45,7 +47,9 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "nanoserve_accel/tests/test_layer.py",
               "nanoserve_accel/tests/test_prefill_attention.py",
               "nanoserve_accel/tests/test_fast_path.py",
-              "tests/server/test_engine_thread.py"]
+              "tests/server/test_engine_thread.py", "tests/server/test_validation.py",
+              "tests/server/test_forwarding.py", "tests/server/test_attacks.py",
+              "tests/server/test_shutdown.py", "tests/server/test_server.py"]
 A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -65,6 +69,17 @@ FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                                 AT + "test_paged_attention.py"],
          A + "layer.py": [AT + "test_layer.py"],
          "nanoserve/serve.py": ["tests/server/test_engine_thread.py"]}
+# The server's and the detokenizer's mutants: the server test that should catch each first.
+SRV, E = "tests/server/", "nanoserve/entrypoints/"
+FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "test_shutdown.py"],
+              E + "api_server.py": [SRV + "test_server.py", SRV + "test_attacks.py",
+                                    SRV + "test_shutdown.py"],
+              E + "serving_engine.py": [SRV + "test_forwarding.py", SRV + "test_validation.py"],
+              E + "serving_completion.py": [SRV + "test_forwarding.py"],
+              E + "metrics.py": [SRV + "test_forwarding.py"],
+              E + "validation.py": [SRV + "test_validation.py"],
+              E + "http_limits.py": [SRV + "test_attacks.py"],
+              E + "detokenizer.py": [SRV + "test_forwarding.py", "tests/core/test_detokenizer.py"]})
 PYTEST = ["-x", "-q", "-p", "no:cacheprovider"]
 
 SCHED = "nanoserve/engine/scheduler.py"
@@ -79,6 +94,11 @@ WIDE, FUSED = "nanoserve_accel/csrc/attention_avx512.c", "nanoserve_accel/csrc/f
 AMX, DOT32 = "nanoserve_accel/csrc/amx.c", "nanoserve_accel/csrc/dot_fp32.c"
 LAYER_C, LAYER = "nanoserve_accel/csrc/layer.c", "nanoserve_accel/layer.py"
 SERVE = "nanoserve/serve.py"
+EP = "nanoserve/entrypoints/"
+API, SERVING = EP + "api_server.py", EP + "serving_engine.py"
+COMPLETION = EP + "serving_completion.py"
+METRICS, DETOK, CHECKS = EP + "metrics.py", EP + "detokenizer.py", EP + "validation.py"
+LIMITS, ENGINE_THREAD = EP + "http_limits.py", EP + "engine_thread.py"
 PREFILL_C, PAGED = "nanoserve_accel/csrc/attention_prefill.c", "nanoserve_accel/paged_attention.py"
 
 
@@ -406,7 +426,7 @@ MUTANTS = [
            " or n > self.max_rows  #", "  #",
            "the one-call layer runs C GEMMs past the rows where the modules hand over to oneDNN",
            "the dispatch rule decides the GEMM by row count, in every path"),
-    Mutant("llm_built_on_the_main_thread", SERVE,
+    Mutant("llm_built_on_the_main_thread", ENGINE_THREAD,
            "self.build, self.num_threads = build, num_threads",
            "self.build, self.num_threads = (lambda llm=build(): llm), num_threads",
            "the server builds the LLM on the thread that starts it, not on the engine thread",
@@ -424,6 +444,116 @@ MUTANTS = [
            "        if not config.enforce_eager:\n", "        if True:\n",
            "enforce_eager=True still swaps in the fast paths",
            "the reader's plain path is one flag away"),
+    # -- the server (nanoserve/entrypoints/): fields on their way to the engine and back ---
+    Mutant("server_api_key_substring", API,
+           'if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):',
+           'if f"Bearer {self.api_key}".encode() not in given:',
+           "any Authorization header that merely contains the key is accepted",
+           "--api-key: exactly 'Bearer KEY'"),
+    Mutant("server_missing_model_is_404", SERVING,
+           "if req.model is not None and req.model != self.model_name:",
+           "if req.model != self.model_name:",
+           "a request without `model` is answered 404",
+           "vLLM: `model` may be left out"),
+    Mutant("server_prompt_list_of_text_refused", COMPLETION,
+           "isinstance(prompt[0], (str, list))", "isinstance(prompt[0], list)",
+           'prompt: ["text"] is not taken as the prompt "text"',
+           "OpenAI: a prompt may be a list of one"),
+    Mutant("server_max_tokens_context_off_by_one", SERVING,
+           "elif len(ids) + max_tokens > self.max_model_len:",
+           "elif len(ids) + max_tokens >= self.max_model_len:",
+           "prompt + max_tokens exactly max_model_len is refused",
+           "a request may fill the context exactly"),
+    Mutant("server_include_stop_str_dropped", SERVING,
+           "include_stop_str_in_output=req.include_stop_str_in_output,",
+           "include_stop_str_in_output=False,",
+           "include_stop_str_in_output never reaches the engine",
+           "every field the server accepts is forwarded"),
+    Mutant("server_usage_without_include_usage", SERVING,
+           "usage = req.stream_options is not None and req.stream_options.include_usage",
+           "usage = req.stream_options is not None",
+           "a usage chunk is streamed for include_usage: false",
+           "vLLM: the usage chunk only when asked"),
+    Mutant("server_metrics_readd_totals", METRICS,
+           "counter.inc(new - old)", "counter.inc(new)",
+           "/metrics adds the engine's running totals again at every step",
+           "/metrics counts what the engine counted"),
+    Mutant("server_prompt_tokens_every_step", METRICS,
+           "            if out.finished:\n                self.prompt_tokens.inc(",
+           "            if True:\n                self.prompt_tokens.inc(",
+           "prompt tokens are counted at every streamed step, not once per request",
+           "/metrics counts what the engine counted"),
+    Mutant("detok_stream_tail_lost", DETOK,
+           'full.endswith("\\ufffd") and not req.is_finished', 'full.endswith("\\ufffd")',
+           "a stream cut mid-character never sends its last (incomplete) character",
+           "§4: DELTA texts join to the final text"),
+    Mutant("detok_special_tokens_leak", DETOK,
+           "skip_special_tokens=True", "skip_special_tokens=False",
+           "special tokens (<|im_end|>, ...) come out as text",
+           "vLLM: skip_special_tokens by default"),
+    Mutant("detok_eos_as_stop_reason", DETOK,
+           "and self.token_ids and self.token_ids[-1] in self.stop_token_ids):",
+           "and self.token_ids):",
+           "a request ended by EOS reports the EOS id as its stop_reason",
+           "vLLM: stop_reason None for EOS, the id for a stop token"),
+    Mutant("detok_holdback_ignored", DETOK,
+           "end = len(self.text) if req.is_finished else len(self.text) - self.holdback",
+           "end = len(self.text)",
+           "while streaming, the start of a stop string is sent before it is known",
+           "§4: a stop string never reaches the client"),
+    Mutant("stop_string_checked_after_length", SCHED,
+           "        if params.stop and self.stop_string_in is not None and "
+           "self.stop_string_in(req):\n"
+           "            return FinishReason.STOP\n"
+           "        if (req.num_output_tokens >= params.max_tokens\n"
+           "                or req.num_tokens >= self.max_model_len_in_cache):\n"
+           "            return FinishReason.LENGTH\n",
+           "        if (req.num_output_tokens >= params.max_tokens\n"
+           "                or req.num_tokens >= self.max_model_len_in_cache):\n"
+           "            return FinishReason.LENGTH\n"
+           "        if params.stop and self.stop_string_in is not None and "
+           "self.stop_string_in(req):\n"
+           "            return FinishReason.STOP\n",
+           'a stop string completed by the last allowed token is labelled "length"',
+           "vLLM: stop conditions before the length limits"),
+    # -- the server under attack -----------------------------------------------------------
+    Mutant("server_numbers_not_strict", CHECKS,
+           "model.model_validate(body, strict=True)", "model.model_validate(body)",
+           'true and "3" pass as numbers, 1.0 as a token id',
+           "bad input is a 400 naming the field"),
+    Mutant("server_surrogates_unchecked", CHECKS,
+           "        _check_utf8(json.dumps(value, ensure_ascii=False), field)\n", "        pass\n",
+           "a lone surrogate in a string reaches the tokenizer (a 500)",
+           "bad input is a 400 naming the field, never a 500"),
+    Mutant("server_stop_count_uncapped", CHECKS,
+           "len(stops) > MAX_STOP_STRINGS or ", "",
+           "any number of stop strings, each checked by the engine thread at every token",
+           "no request may stall the others"),
+    Mutant("server_length_bound_a_char_a_token", CHECKS,
+           "return -(-num_chars // longest)", "return num_chars",
+           "the length bound takes a token to be one character: long-token texts refused",
+           "the bound before tokenizing is sound"),
+    Mutant("server_url_unbounded", LIMITS,
+           "if len(self.url) + len(url) > self.limits.max_url_bytes:", "if False:",
+           "a long URL is not refused with a 414",
+           "HTTP limits: URL (414)"),
+    Mutant("server_no_header_timeout", LIMITS,
+           "        super().connection_made(transport)\n        self._start_head()\n",
+           "        super().connection_made(transport)\n",
+           "a connection that sends nothing is kept open forever (slowloris)",
+           "HTTP limits: a header timeout"),
+    Mutant("server_connections_uncapped", LIMITS,
+           "if len(self.connections) >= self.limits.max_connections:", "if False:",
+           "connections are accepted until the file descriptors run out",
+           "HTTP limits: a cap on open connections"),
+    Mutant("server_disconnect_logged", API,
+           "except ClientDisconnect:", "except ConnectionAbortedError:",
+           "a client that leaves before its body is read logs a traceback",
+           "quiet logging of client disconnects"),
+    Mutant("server_shutdown_never_expires", API,
+           "call_later(self.timeout,", "call_later(self.timeout + 3600,",
+           "past --shutdown-timeout uvicorn cancels the handlers: streams cut mid-chunk, 500s",
+           "shutdown ends every stream with an error event and [DONE]"),
 ]
 
 
@@ -511,6 +641,8 @@ def main() -> int:
     parser.add_argument("--full", action="store_true",
                         help="run the whole suite (slow tests too) against fast-test survivors")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument("--tests", nargs="+", default=FAST_TESTS, metavar="PATH",
+                        help="the test files to run (default: the fast ones)")
     args = parser.parse_args()
     mutants = [m for m in MUTANTS if not args.names or any(n in m.name for n in args.names)]
     if args.list:
@@ -526,7 +658,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nanoserve-mutate-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
-        tests = [t for t in FAST_TESTS if (tree / t).is_file()]
+        tests = [t for t in args.tests if (tree / t).is_file()]
         fast = ["-m", "not slow"]
         outcome, detail, secs = run_pytest(tree, tests, fast, args.timeout)
         if outcome != "survived":

@@ -404,11 +404,14 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
     s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN),
                       [*TINY_FLAGS, "--api-key", "sesame", "--trace-file", str(trace)])
     try:
-        for key in ("wrong", None):
+        for key in ("wrong", None, "sesam", "sesame2", "xsesame", "sesame sesame"):
             headers = {"authorization": f"Bearer {key}"} if key else {}
             r = post(s, "/v1/completions", json.dumps(GOOD), headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
             assert httpx.get(s.base + "/v1/models", headers=headers).status_code == 401
+        for header in ("sesame", "Bearer  sesame", "bearer sesame", "Bearer sesame,x"):
+            r = post(s, "/v1/completions", json.dumps(GOOD), {"authorization": header})
+            assert r.status_code == 401, header
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").completions.create(model="m", prompt="hi")
         client = s.client(api_key="sesame")
