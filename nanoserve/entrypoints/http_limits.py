@@ -10,8 +10,10 @@ kept forever, and as many connections are accepted as there are file descriptors
 - Headers not complete header_timeout seconds after the connection opened (or after the last
   response, on a kept-alive connection): 408 and close (just close if nothing came). A body
   not complete body_timeout seconds after its headers: 408 and close. (Slowloris.)
-- More than max_connections open: the new one gets a 503 and is closed at once, so the file
-  descriptors are never exhausted.
+- At max_connections open, a new connection closes the one that has waited longest for its
+  headers (408; just closed if it sent nothing): slow or idle clients make room for new ones,
+  so a slowloris flood cannot lock others out. Only when every connection has a request in
+  flight does the new one get a 503. The file descriptors are never exhausted.
 
 Every refusal is a JSON error (the app's shape) with `connection: close`, and is not logged:
 a flood must not become a flood of log lines. Bodies are bounded by the app (413)."""
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import httptools
@@ -35,15 +38,17 @@ class HttpLimits:
     max_header_count: int = 256  # 431 (vLLM's --h11-max-header-count)
     header_timeout: float = 10.0  # seconds to send the request line and headers: 408
     body_timeout: float = 30.0  # seconds to send the body after the headers: 408
-    max_connections: int = 4096  # open at once; more: 503
+    max_connections: int = 4096  # open at once; more: the oldest waiting for headers goes
 
     def protocol(self) -> type[HttpToolsProtocol]:
         """The protocol class for uvicorn.Config(http=...), with these limits."""
-        return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": self})
+        return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,),
+                    {"limits": self, "heads": OrderedDict()})
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     limits: HttpLimits
+    heads: OrderedDict  # the server's connections waiting for headers, the longest first
     timer: asyncio.TimerHandle | None = None
     reading_head = False  # from the connection (or the last response) to the headers' end
     head_bytes = head_bytes_parsed = num_headers = 0
@@ -51,9 +56,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
-            self.transport = transport  # (connection_lost closes it)
-            self._refuse(503, f"more than {self.limits.max_connections} open connections")
-            return
+            if not self.heads:  # every connection has a request in flight
+                self.transport = transport  # (connection_lost closes it)
+                self._refuse(503, f"more than {self.limits.max_connections} open connections")
+                return
+            oldest = next(iter(self.heads))
+            oldest._timed_out(f"closed to make room: {self.limits.max_connections} open "
+                              f"connections")
         super().connection_made(transport)
         self._start_head()
 
@@ -128,19 +137,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.reading_head, self.head_bytes, self.head_bytes_parsed = True, 0, 0
         self._arm(self.limits.header_timeout, f"request headers not received in "
                                               f"{self.limits.header_timeout:g} s")
+        self.heads[self] = None
 
     def _arm(self, seconds: float, why: str) -> None:
         self._disarm()
         self.timer = self.loop.call_later(seconds, self._timed_out, why)
 
     def _disarm(self) -> None:
+        self.heads.pop(self, None)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
     def _timed_out(self, why: str) -> None:
-        self.timer = None
         if self.reading_head and self.head_bytes == 0:  # an idle connection: nothing to answer
+            self._disarm()
             self.transport.close()
         else:
             self._refuse(408, why)

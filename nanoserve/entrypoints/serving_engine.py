@@ -99,6 +99,7 @@ class OpenAIServing:
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
         check_no_ops(body, self.no_op)
+        check_stop(body.get("stop"), body.get("stop_token_ids"))
         req = parse(self.request_model, body)
         params, prompt_ids = await self.to_engine_input(req)
         collector, streaming = Collector(), False
@@ -157,7 +158,6 @@ class OpenAIServing:
             if not ok:
                 raise APIError(f"{name} is not supported by nanoserve, got "
                                f"{getattr(req, name)!r}", name)
-        check_stop(req.stop, req.stop_token_ids)
         max_tokens = self.max_tokens_of(req)
         try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
             params = SamplingParams(

@@ -48,9 +48,20 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can ma
 
 def check_json(body: dict, raw: bytes) -> None:
     """Depth, then UTF-8, each named by the top-level field the bad value sits under. This runs
-    on the event loop, so per element only containers are looked at (level by level, without
-    recursion), and strings only if `raw` (the body's bytes) has a surrogate's escape at all:
-    then each field is encoded whole, in C."""
+    on the event loop, so `raw` (the body's bytes) says first, in C, whether to look at all:
+    depth only if it has more brackets than MAX_DEPTH (then containers are walked level by
+    level, without recursion), strings only if it has a surrogate's escape (then each field
+    is encoded whole, in C)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:  # else no value can be that deep
+        _check_depth(body)
+    if SURROGATE_ESCAPE.search(raw) is None:
+        return
+    for field, value in body.items():
+        _check_utf8(field, None)  # a field with no name it can be called by
+        _check_utf8(json.dumps(value, ensure_ascii=False), field)
+
+
+def _check_depth(body: dict) -> None:
     for field, value in body.items():
         level, depth = [value], 1
         while level := [v for c in level if isinstance(c, (dict, list))
@@ -59,11 +70,6 @@ def check_json(body: dict, raw: bytes) -> None:
             depth += 1
             if depth > MAX_DEPTH:
                 raise APIError(f"{field} is nested more than {MAX_DEPTH} levels deep", field)
-    if SURROGATE_ESCAPE.search(raw) is None:
-        return
-    for field, value in body.items():
-        _check_utf8(field, None)  # a field with no name it can be called by
-        _check_utf8(json.dumps(value, ensure_ascii=False), field)
 
 
 def _check_utf8(s: str, field: str | None) -> None:
@@ -94,13 +100,15 @@ def parse(model: type[BaseModel], body: dict) -> Any:
                        f"{err.get('input')!r:.100}", field) from None
 
 
-def check_stop(stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+def check_stop(stop: Any, stop_token_ids: Any) -> None:
+    """On the raw body, before pydantic copies a list that is too long (types checked later)."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    num_chars = sum(len(s) for s in stops if isinstance(s, str))
+    if len(stops) > MAX_STOP_STRINGS or num_chars > MAX_STOP_CHARS:
         raise APIError(f"stop must be at most {MAX_STOP_STRINGS} strings of at most "
                        f"{MAX_STOP_CHARS} characters in all, got {len(stops)} strings of "
-                       f"{sum(map(len, stops))}", "stop")
-    if len(stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+                       f"{num_chars}", "stop")
+    if isinstance(stop_token_ids, list) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise APIError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got "
                        f"{len(stop_token_ids)}", "stop_token_ids")
 

@@ -1,8 +1,9 @@
 """The server under attack at the HTTP layer (nanoserve/entrypoints/http_limits.py), on raw
 sockets to 127.0.0.1: huge URLs and headers (414, 431, memory kept bounded), slowloris (partial
-headers or bodies closed after their timeout), a flood of connections (a 503 past the cap, the
-server still serving), clients that leave before their body is read (no log lines). Its own
-server, with short timeouts and a small connection cap, so that each test takes seconds."""
+headers or bodies closed after their timeout), a flood of connections (the oldest waiting ones
+closed to make room, a 503 only when all are busy; the server still serving), clients that
+leave before their body is read (no log lines). Its own server, with short timeouts and a small
+connection cap, so that each test takes seconds."""
 
 from __future__ import annotations
 
@@ -95,17 +96,30 @@ def test_slowloris_partial_heads_and_bodies_are_closed_after_the_timeout(server)
     assert time.monotonic() - start < 3 * TIMEOUT
 
 
-def test_idle_connections_are_closed_and_a_flood_gets_503s(server):
-    socks = [connect(server) for _ in range(MAX_CONNECTIONS)]
+def test_a_flood_of_connections_closes_the_oldest_waiting_ones_then_gets_503s(server):
+    """At the cap a new connection closes the one that waited longest for its headers (so
+    slowloris cannot lock others out); only when all have requests in flight is it a 503."""
+    idle = [connect(server) for _ in range(MAX_CONNECTIONS)]
     time.sleep(0.2)  # all accepted
-    extra = [connect(server) for _ in range(20)]
-    for sock in extra:  # over the cap: answered 503 at once, closed
+    new = [connect(server) for _ in range(10)]
+    for sock in idle[:10]:  # the 10 oldest made room (they sent nothing: just closed)
         sock.settimeout(5)
-        assert status(sock.recv(65536)) == 503
-        sock.close()
-    for sock in socks:  # idle (nothing sent): closed after the header timeout, no answer
-        sock.settimeout(3 * TIMEOUT)
         assert sock.recv(65536) == b""
+    healthy(server)  # a new client is served at the cap (closing one more idle connection)
+    for sock in idle[10:] + new:
+        sock.close()
+    time.sleep(0.2)
+    busy = [connect(server) for _ in range(MAX_CONNECTIONS)]  # each mid-body: in flight
+    for sock in busy:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 100\r\n\r\n{")
+    time.sleep(0.2)
+    for _ in range(5):
+        with connect(server) as sock:
+            sock.settimeout(5)
+            assert status(sock.recv(65536)) == 503
+    for sock in busy:  # then the body timeout frees them
+        sock.settimeout(3 * TIMEOUT)
+        assert status(sock.recv(65536)) == 408
         sock.close()
     healthy(server)
 
