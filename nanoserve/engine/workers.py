@@ -82,7 +82,7 @@ class Workers:
                           for r in range(1, config.tensor_parallel_size)]
             for proc in self.procs:
                 proc.start()
-            weakref.finalize(self, kill, self.procs)  # garbage collection and exit too
+            weakref.finalize(self, release, self.procs)  # garbage collection and exit too
         self.group: dist.ProcessGroup | None = None  # set once rank 0 joined
 
     def check(self, error: Exception | None = None) -> None:
@@ -113,13 +113,15 @@ class Workers:
                 pass
         for proc in self.procs:
             proc.join(timeout=10)
-        kill(self.procs)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release(self.procs)
 
 
-def kill(procs: list[mp.Process]) -> None:
+def release(procs: list[mp.Process]) -> None:
+    """Kill what is left of the ranks and leave the process group, so that this process can
+    start another engine with tensor_parallel_size > 1 (one default group a process)."""
     for proc in procs:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ import time
 import openai
 import psutil
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.workers import WorkerDied
@@ -114,6 +115,7 @@ def test_garbage_collection_stops_the_ranks():
     while children() & pids and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not children() & pids
+    assert not torch.distributed.is_initialized()  # a next TP engine can start in this process
 
 
 def test_heads_that_do_not_divide_are_refused_before_loading(monkeypatch):
