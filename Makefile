@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: run test test-cpus lint bench clean
+.PHONY: run test test-cpus test-sanitize lint bench clean
 
 run: $(STAMP)
 	$(PY) example.py
@@ -15,6 +15,16 @@ test: $(STAMP)
 # kernel choice then follow that CPU. Every one must be green.
 test-cpus: $(STAMP)
 	for cpu in avx2 avx512_bf16 amx; do $(PY) -m pytest -q -p no:cacheprovider --cpu=$$cpu || exit 1; done
+
+# The fast path's tests with its C kernels built under AddressSanitizer and UBSan (the runtime
+# preloaded into Python, which is not built with it): an out-of-bounds read or write, or
+# undefined behaviour, in a kernel stops the run with the sanitizer's report.
+SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+test-sanitize: $(STAMP)
+	NANOSERVE_KERNEL_CFLAGS="$(SANITIZE)" \
+	LD_PRELOAD="$$(cc -print-file-name=libasan.so) $$(cc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0:abort_on_error=1 \
+	$(PY) -m pytest -q -p no:cacheprovider nanoserve_accel/tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

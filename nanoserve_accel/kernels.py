@@ -28,7 +28,10 @@ SOURCES = sorted(CSRC.glob("*.c"))
 HEADER = CSRC / "kernels.h"  # what they share
 # -march=native: this machine's vector width; -fopenmp: the work split over all cores;
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
-FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+# NANOSERVE_KERNEL_CFLAGS adds flags (`make test-sanitize`: AddressSanitizer and UBSan); they
+# are part of the cache key, so such a build never replaces the plain one.
+FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+         *os.environ.get("NANOSERVE_KERNEL_CFLAGS", "").split()]
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # The last int of each but store_kv (which copies bytes): 1 if bf16.
 ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
