@@ -16,7 +16,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.layers import torch_attention
 from nanoserve.layers.attention import get_backend
 from nanoserve.utils import cpu
-from nanoserve_accel import kernels, paged_attention
+from nanoserve_accel import kernels, paged_attention, plan
 from nanoserve_accel.tests.test_paged_attention import poisoned_case
 from tests.common.tiny_model import tiny_model_dir
 
@@ -34,7 +34,8 @@ def prefill(request, monkeypatch):
         pytest.skip("no AMX here")
     if request.param == "avx512_bf16":
         monkeypatch.setattr(cpu, "cpu_flags", lambda: flags - {"amx_bf16", "amx_tile"})
-    return paged_attention.with_prefill_kernel(TWIN, KERNEL).varlen_func
+    machine = plan.Machine.probe(KERNEL)  # after the flags were faked
+    return paged_attention.with_prefill_kernel(TWIN, KERNEL, machine).varlen_func
 
 
 def args(case, **overrides) -> dict:
@@ -134,7 +135,7 @@ def test_the_engine_takes_the_kernel_for_bf16_prefill(monkeypatch):
     assert "cpu-prefill" in fast.model_runner.backend.name
     got = [o.token_ids for o in fast.generate(prompts, params)]
     assert calls
-    monkeypatch.setattr(accel, "with_prefill_kernel", lambda backend, lib: backend)
+    monkeypatch.setattr(accel, "with_prefill_kernel", lambda backend, lib, machine: backend)
     twin = LLM(tiny_model_dir(head_dim=64), **settings)
     assert "cpu-prefill" not in twin.model_runner.backend.name
     assert got == [o.token_ids for o in twin.generate(prompts, params)]
