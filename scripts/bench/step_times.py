@@ -28,6 +28,7 @@ without it the columns show "-" and one line says so.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -176,8 +177,8 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows_list = [int(r) for r in args.rows.split(",")]
     print(cpu.describe())
-    print(f"tensor_parallel_size {tp}, threads {torch.get_num_threads()} (a rank's: its share), "
-          f"CPU capability "
+    threads = torch.get_num_threads() if tp == 1 else max(1, len(os.sched_getaffinity(0)) // tp)
+    print(f"tensor_parallel_size {tp}, {threads} thread(s) a rank, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, context {args.context}, "
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
     header = ("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
@@ -194,6 +195,9 @@ def main() -> None:
         weight_bytes = params * first.dtype.itemsize
         stream_ms, copy_rate = weight_stream_ms(weight_bytes)
         gflops, gemm, gemm_flops = gemm_gflops(first.dtype, clock)
+        # Under TP this process is rank 0, on its share of the cores: the machine's GEMM rate,
+        # the roofline's, is that of all ranks at once.
+        gflops, gemm_flops = gflops * tp, gemm_flops * tp
         for rows in rows_list:
             outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
             times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm")}
@@ -207,7 +211,7 @@ def main() -> None:
                     if step >= 2:
                         times[name].append(clock() - t)
             opt = statistics.median(times["optimized"]) * 1e3
-            eager = statistics.median(times["eager"]) * 1e3 if "eager" in times else float("nan")
+            eager = statistics.median(times["eager"]) * 1e3 if "eager" in times else None
             best = min(times["optimized"]) * 1e3
             roofline_ms = rows * 2 * params / (gflops * 1e9) * 1e3
             # The same GEMM, timed between the steps: the machine's rate in the same moments.
@@ -216,7 +220,9 @@ def main() -> None:
             theirs = peer.get(str(rows))
             peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
                          f"{theirs['best_ms']:.1f} | {opt / theirs['median_ms']:.2f}")
-            print(f"| {dtype} | {rows} | {eager:.1f} | {opt:.1f} | {opt / eager:.2f} | "
+            eager_ms, ratio = ("-", "-") if eager is None else (f"{eager:.1f}",
+                                                                f"{opt / eager:.2f}")
+            print(f"| {dtype} | {rows} | {eager_ms} | {opt:.1f} | {ratio} | "
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
                   f"{peer_cols} |")
