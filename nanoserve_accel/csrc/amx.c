@@ -2,7 +2,7 @@
 
 /* ---- §1 on CPUs with AMX: the bf16 linears' GEMM at decode batch sizes ----
  * y [M, N] = x [M, K] W^T (+ bias), all bf16, on AMX tiles. W is packed once at load (by
- * accel/amx_linear.py) into the tiles' VNNI layout, [N / 16][K / 32][16 k-pairs][16 columns][2]:
+ * linear.py's AmxLinear) into the tiles' VNNI layout, [N / 16][K / 32][16 k-pairs][16 columns][2]:
  * one 1 KB tile per 16 columns and 32 k, the tiles of a column group front to back, so W streams
  * contiguously. Each tile is loaded once per call and serves up to 64 rows (4 accumulator tiles
  * of 16 rows), x read from the cache for each. oneDNN's small-batch bf16 path streamed the same

@@ -7,7 +7,7 @@
  * at well under memory speed. Here, per KV head:
  *   - scores, 16 tokens at a time: 16 dot products (bf16: AVX512-BF16's vdpbf16ps on the raw
  *     bits, no widening), then all 16 summed across lanes by one transposing tree;
- *   - softmax as attention.c's;
+ *   - softmax: e^(s - max) 16 lanes at a time (exp16), the division by the sum left to out;
  *   - out = sum of p . v with every accumulator of up to 4 query heads in registers, so each
  *     V row is widened once for the heads that share it (GQA).
  * Each row part of the cache is still read once, in place, and prefetched ahead. */

@@ -1,11 +1,11 @@
-/* What the fast path's C kernels share. kernels.py builds them, once per machine, into one
+/* What the fast path's C kernels share. kernels.py builds all nine, once per machine, into one
  * library:
- *   linear.c    linear: §1, one weight read serving every row of the step;
- *   dpbf16.c    linear_dpbf16: §1 for bf16 at a few rows, where the compiler targets AVX512-BF16;
- *   amx.c       linear_amx: §1 for bf16 at decode batch sizes, where it targets AMX-BF16;
- *   dot_fp32.c  linear_dot_fp32: §1 for fp32 below oneDNN's rows, where it targets AVX-512F;
- *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache;
- *   attention_avx512.c: its loop nest for CPUs with AVX-512 (and AVX512-BF16).
+ *   linear.c    linear_panels: §1, one weight read serving every row of the step;
+ *   dpbf16.c, amx.c, dot_fp32.c: §1 where the compiler targets AVX512-BF16 (bf16, a few rows),
+ *               AMX-BF16 (bf16, decode batch sizes) or AVX-512F (fp32, below oneDNN's rows);
+ *   attention.c paged_decode: §5, decode attention read straight from the paged KV cache, with
+ *               attention_avx512.c's loop nest on AVX-512; attention_prefill.c: bf16 prefill;
+ *   fused.c     §4's element-wise steps; layer.c decode_layer: a decode row's layer in one call.
  * All sum in float32; bfloat16 values are widened on load (or multiplied in pairs by AVX512-BF16,
  * exactly) and results rounded to nearest even, as torch does. All arrays are contiguous and row-major.
  */

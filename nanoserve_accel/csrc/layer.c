@@ -41,7 +41,7 @@ struct gemm {
   int kind, n, k;
 };
 
-/* A layer's weights and sizes, set once (accel/layer.py's LayerArgs mirrors it). */
+/* A layer's weights and sizes, set once (layer.py's LayerArgs mirrors it). */
 struct layer {
   const void *input_norm, *post_norm; /* RMSNorm weights [hidden] */
   struct gemm qkv, o, gate_up, down;
