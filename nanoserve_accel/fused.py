@@ -1,9 +1,9 @@
 """§4's element-wise steps on a CPU in one C call each (csrc/fused.c): RMSNorm, the split of the
 merged q|k|v rows into heads with RoPE, and SiLU-and-multiply, where torch runs 3-10 small ops,
-each with its own pass over memory, output and (bf16) widening and rounding: a bf16 prefill chunk
-spent about a third of its time in them (docs/benchmarks.md). Each replaces the decoder's module
-of the same name (`input_layernorm`, `self_attn`, `act_fn`, ...), built from it and holding the
-same parameters; the C rounds where torch's ops round, so both compute the same values."""
+each with its own pass over memory, output and (bf16) widening and rounding (bf16 prefill chunks:
+0.24 of 1.81 s in them, docs/benchmarks.md). Each replaces the decoder's module of the same name
+(`input_layernorm`, `self_attn`, `act_fn`, ...), built from it and holding the same parameters;
+the C rounds where torch's ops round, so both compute the same values."""
 
 from __future__ import annotations
 

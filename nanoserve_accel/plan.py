@@ -20,7 +20,7 @@ from nanoserve.utils import cpu
 from nanoserve_accel import kernels
 
 # The row limits, each where the C GEMM measured faster than the next kernel up
-# (bench/gemm_compare.py; whole steps: scripts/bench/step_times.py; figures in README.md):
+# (bench/gemm_compare.py; whole steps: scripts/bench/step_times.py; docs/benchmarks.md, GEMM):
 DOT_FP32_MAX_ROWS = 95  # fp32 dot products: memory-bound to ~9 rows, level with the packed GEMM
 # from 16; a decode step of one C call per layer measured faster than oneDNN's modules to 96 rows.
 PANELS_MAX_ROWS = 63  # fp32 packed panels, where AVX-512 oneDNN measured faster from 64 rows

@@ -1,10 +1,10 @@
 """Decode attention of one whole step (30 layers of SmolLM2-135M's heads: 9 query, 3 KV, 64
 wide; each layer its own paged cache, so K and V stream from memory as in a real step): the C
-kernel (accel/csrc/attention*.c) against the torch twin (layers/torch_attention.py), every row
+kernel (csrc/attention*.c) against the torch twin (layers/torch_attention.py), every row
 at --context tokens, blocks shuffled. Interleaved rounds; medians, with the KV bytes read.
 
-    python scripts/bench/attention_compare.py                     # both dtypes, 1/16/64 rows
-    python scripts/bench/attention_compare.py --rows 64 --dtypes bfloat16
+    python nanoserve_accel/bench/attention_compare.py             # both dtypes, 1/16/64 rows
+    python nanoserve_accel/bench/attention_compare.py --rows 64 --dtypes bfloat16
 """
 
 from __future__ import annotations

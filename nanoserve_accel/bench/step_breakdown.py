@@ -1,8 +1,8 @@
 """Where a decode step's time goes on the optimized CPU path: the same step timed with the C
 decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of the steps).
 
-    python scripts/bench/step_breakdown.py                      # float32, 1/16/64 rows
-    python scripts/bench/step_breakdown.py --dtype bfloat16 --rows 16
+    python nanoserve_accel/bench/step_breakdown.py              # float32, 1/16/64 rows
+    python nanoserve_accel/bench/step_breakdown.py --dtype bfloat16 --rows 16
 
 "attention" = full step - step without attention (the decode kernel and the C cache write);
 "GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
@@ -18,12 +18,15 @@ import argparse
 import ctypes
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from step_times import decode_batch, make_runner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+from step_times import decode_batch, make_runner  # noqa: E402
 
 from nanoserve.layers.attention import get_backend
 from nanoserve_accel import kernels, paged_attention
