@@ -105,8 +105,7 @@ def gpu_of(device: str) -> tuple[str, float]:
 
 
 def batch_defaults(device: str, usage_context: str) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) where the user set neither: vLLM 0.32's by GPU
-    memory (an A100 counts as small whatever its memory), nanoserve's own on a CPU."""
+    """The defaults above for this device: by GPU memory (an A100 counts as small), or the CPU's."""
     if not device.startswith("cuda"):
         return CPU_DEFAULTS[usage_context]
     name, gib = gpu_of(device)
@@ -175,11 +174,10 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
     seqs, tokens = batch_defaults(device, config.usage_context)
     tokens = config.max_num_batched_tokens or (tokens if config.enable_chunked_prefill
                                                else max(tokens, max_model_len))
-    compile_ = config.torch_compile
     # replace() runs __post_init__ again, so the filled values are checked too.
     return replace(config, device=device, dtype=dtype, attention_backend=backend,
                    block_size=resolve_block_size(backend, config.block_size, device),
                    max_model_len=max_model_len, max_num_seqs=config.max_num_seqs or seqs,
                    max_num_batched_tokens=tokens,
                    torch_compile=(device.startswith("cuda") and not config.enforce_eager)
-                   if compile_ is None else compile_)
+                   if config.torch_compile is None else config.torch_compile)

@@ -1,5 +1,5 @@
 """§5 without a model, and §2, §3, §6.3 step by step. `KVReadingRunner` runs a step like the
-ModelRunner (through the real `prepare_inputs`), but its "KV cache" holds token ids: written at each
+ModelRunner (through the real `step_inputs`), but its "KV cache" holds token ids: written at each
 new token's seat, read back through a sampling row's block table and hashed into its next token. So
 a wrong seat, a stale or wrongly shared block or a bad prefix-cache hit changes the output.
 `simulate()` drives the real schedulers and BlockManager with it, recording each step with trace.py;
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.model_runner import prepare_inputs
+from nanoserve.engine.model_runner import step_inputs
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.static_scheduler import StaticScheduler
@@ -35,14 +35,15 @@ class KVReadingRunner:
         self.kv: list[int | None] = [None] * (num_blocks * block_size)  # token id per seat
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
-        inputs = prepare_inputs(out, self.block_size, torch.device("cpu"))
+        step, reqs = step_inputs(out, self.block_size)
+        inputs = step.to(torch.device("cpu"))
         meta, bs = inputs.attn_metadata, self.block_size
         positions = inputs.positions.tolist()
         for seat, token in zip(meta.slot_mapping.tolist(), inputs.input_ids.tolist()):
             self.kv[seat] = token
         cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
         sampled = {}
-        for row, req in zip(inputs.sample_indices, inputs.sample_requests):
+        for row, req in zip(step.sample_indices, reqs):
             if row < meta.num_decode_tokens:  # a decode row reads its whole context
                 table = meta.decode_block_tables[row].tolist()
                 context_len = int(meta.decode_context_lens[row])

@@ -33,7 +33,7 @@ from nanoserve.models.loader import load_model
 
 @dataclass
 class StepInputs:
-    """What prepare_inputs derives from a SchedulerOutput, as host lists: what a tensor-parallel
+    """What step_inputs derives from a SchedulerOutput, as host lists: what a tensor-parallel
     rank 0 sends the other ranks each step (block tables travel with it)."""
 
     input_ids: list[int]
@@ -74,7 +74,6 @@ class ModelInputs:
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampling] int64
-    sample_requests: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -120,14 +119,6 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
     return step, sample_requests
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """The step's tensors on `device` (step_inputs, then StepInputs.to)."""
-    step, reqs = step_inputs(out, block_size)
-    inputs = step.to(device)
-    inputs.sample_requests = reqs
-    return inputs
-
-
 def fast_paths() -> list[tuple[str, Callable[[ModelRunner], None]]]:
     """The installed fast-path plugins (nanoserve_accel ships one), found as vLLM finds its
     plugins, by entry point: the chapter core imports none of them. One that fails to load is
@@ -155,10 +146,9 @@ class ModelRunner:
         tp, self.workers = config.tensor_parallel_size, None
         if tp > 1:
             rank = torchrun_rank() or rank
-            self.workers = Workers(config, model_dir, worker_main) if rank == 0 else None
-            group = init_rank(config, rank, self.workers.init_method if rank == 0 else init_method)
-            if self.workers is not None:
-                self.workers.group = group
+            if rank == 0:  # it starts the other ranks (unless torchrun did), then joins them
+                self.workers = Workers(config, model_dir, worker_main)
+            group = self.workers.group if rank == 0 else init_rank(config, rank, init_method)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, tp, rank)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -200,12 +190,6 @@ class ModelRunner:
             raise ValueError("the KV cache memory budget is smaller than one block; raise "
                              "kv_cache_memory_gib / gpu_memory_utilization or set num_kv_blocks")
         return num_blocks
-
-    def run_alone(self, out: SchedulerOutput) -> None:
-        """One step on this rank only, its tokens dropped (the GPU's KV sizing, cuda_graph.py)."""
-        step, reqs = step_inputs(out, self.block_size)
-        if (logits := self.run(step)) is not None:
-            self.sample(logits, reqs)
 
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """One tensor [2, layers, blocks + 1, block_size, kv_heads, head_dim]. The extra

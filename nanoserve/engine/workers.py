@@ -64,8 +64,8 @@ def receive(group: dist.ProcessGroup) -> object | None:
 
 
 class Workers:
-    """Rank 0's hold on the other ranks: it starts them (unless torchrun did), sends them each
-    step and stops them."""
+    """Rank 0's hold on the other ranks: it starts them (unless torchrun did), joins their process
+    group, sends them each step and stops them."""
 
     def __init__(self, config: EngineConfig, model_dir: str,
                  worker_main: Callable[[EngineConfig, str, int, str], None]) -> None:
@@ -83,7 +83,7 @@ class Workers:
             for proc in self.procs:
                 proc.start()
             weakref.finalize(self, release, self.procs)  # garbage collection and exit too
-        self.group: dist.ProcessGroup | None = None  # set once rank 0 joined
+        self.group = init_rank(config, 0, self.init_method)
 
     def check(self, error: Exception | None = None) -> None:
         """WorkerDied if a rank exited (after `error`, a collective's: waiting a moment for

@@ -102,11 +102,9 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, ids: torch.Tensor | None, vocab: int,
              generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """One token per row, probs[i] its chance: argmax(probs / q), q ~ Exp(1) = -log(U), one
-        q per token of the vocabulary whoever the candidates are (a last-bit change of the
-        logits, in another batch, then moves probabilities a little instead of swapping the
-        noise of near-ties). NO_PROBABILITY for rows with nothing to draw. Seeded rows take
-        their q from their own generator."""
+        """The module's exponential race, one q per token of the vocabulary whoever the candidates
+        are (a last-bit change of the logits, in another batch, then moves probabilities a little
+        instead of swapping the noise of near-ties). NO_PROBABILITY: a row with nothing to draw."""
         u = torch.rand(probs.shape[0], vocab, device=probs.device, generator=self.generator)
         for j, generator in generators.items():
             u[j] = torch.rand(vocab, device=probs.device, generator=generator)

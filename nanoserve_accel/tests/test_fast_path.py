@@ -15,7 +15,7 @@ from torch import nn
 import nanoserve
 from nanoserve import LLM
 from nanoserve.engine import model_runner
-from nanoserve.engine.model_runner import fast_paths, prepare_inputs
+from nanoserve.engine.model_runner import fast_paths, step_inputs
 from nanoserve.utils import cpu
 from nanoserve_accel import kernels, optimize, plan
 from nanoserve_accel.linear import (
@@ -105,7 +105,8 @@ def test_fast_and_plain_models_agree(dtype):
         for n in (3, 20, 9):
             llm.add_request([7] * n)
         runner = llm.model_runner
-        inputs = prepare_inputs(llm.scheduler.schedule(), runner.block_size, runner.device)
+        step, _ = step_inputs(llm.scheduler.schedule(), runner.block_size)
+        inputs = step.to(runner.device)
         with torch.inference_mode():
             hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             logits[eager] = runner.model.compute_logits(hidden).float()

@@ -270,7 +270,7 @@ MUTANTS = [
            "            block.ref_count += 1\n", "            block.ref_count = 1\n",
            "a shared prefix block's ref_count is reset instead of incremented",
            "§5: a shared block is freed only when its last user leaves"),
-    # -- §5: slots and block tables the model reads (prepare_inputs) ----------------------
+    # -- §5: slots and block tables the model reads (step_inputs) -------------------------
     Mutant("slot_mapping_off_by_one", RUNNER,
            "req.block_table[p // block_size] * block_size + p % block_size",
            "req.block_table[p // block_size] * block_size + (p + 1) % block_size",

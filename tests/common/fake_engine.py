@@ -1,5 +1,5 @@
 """A model-free engine for fast scheduler tests: the real Scheduler and BlockManager, the
-real `prepare_inputs`, and a runner whose next token is a hash of the token ids it reads
+real `step_inputs`, and a runner whose next token is a hash of the token ids it reads
 back from a fake KV cache through the block table (nanoserve.simulator.KVReadingRunner).
 With a correct engine a request's output is `expected_output(prompt)`, whatever it was
 batched with, chunked into or preempted by; a wrong slot, a stale or wrongly shared block

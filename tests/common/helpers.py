@@ -1,11 +1,11 @@
 """Test helpers: run a model without the engine, on inputs built by the engine's own
-`prepare_inputs` from a hand-made step."""
+`step_inputs` from a hand-made step."""
 
 from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.model_runner import ModelInputs, prepare_inputs
+from nanoserve.engine.model_runner import ModelInputs, step_inputs
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanoserve.layers.attention import Attention, get_backend
@@ -26,7 +26,7 @@ def make_inputs(seqs: list[tuple[list[int], int, list[int]]], block_size: int) -
     """One step as the scheduler would describe it. `seqs`: (block_table, num_cached,
     new_token_ids) per request; the new tokens of request i are at positions num_cached ..
     num_cached + len(new_token_ids) - 1. Decodes (one new token) must come first, because
-    `prepare_inputs` puts them first and callers read the rows in `seqs` order."""
+    `step_inputs` puts them first and callers read the rows in `seqs` order."""
     step = SchedulerOutput()
     for i, (table, cached, new_ids) in enumerate(seqs):
         if len(new_ids) == 1 and i > 0 and len(seqs[i - 1][2]) > 1:
@@ -35,7 +35,7 @@ def make_inputs(seqs: list[tuple[list[int], int, list[int]]], block_size: int) -
         req.block_table, req.num_computed_tokens = list(table), cached
         step.scheduled.append(ScheduledRequest(req, len(new_ids), samples=True,
                                                is_decode=len(new_ids) == 1))
-    return prepare_inputs(step, block_size, torch.device("cpu"))
+    return step_inputs(step, block_size)[0].to(torch.device("cpu"))
 
 
 def run_step(
