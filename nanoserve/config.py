@@ -24,8 +24,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 ATTENTION_BACKENDS = ("auto", "flash-attn", "torch")
 USAGE_CONTEXTS = ("llm", "server")
 # vLLM 0.32's defaults (EngineArgs.get_batch_defaults), (max_num_seqs, max_num_batched_tokens) for
-# the LLM class and the API server. On a CPU nanoserve keeps its own (docs/benchmarks.md: they
-# measured faster than vLLM's 256 / 4096 and 128 / 2048 on 2 cores).
+# the LLM class and the API server. On a CPU nanoserve keeps its own (docs/benchmarks.md: level
+# in throughput with vLLM's 256 / 4096 and 128 / 2048 on 2 cores, about half the median TTFT).
 GPU_160GB = {"llm": (1024, 16384), "server": (1024, 16384)}
 GPU_70GB = {"llm": (1024, 16384), "server": (1024, 8192)}  # and not an A100
 GPU_OTHER = {"llm": (256, 8192), "server": (256, 2048)}
