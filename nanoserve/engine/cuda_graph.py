@@ -130,7 +130,7 @@ def cuda_kv_budget(runner) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     runner._allocate_kv_cache(num_blocks=1)
     for out in warmup_steps(runner.config):  # the logits and the sampler's buffers count too
-        run_alone(runner, out)
+        runner.run_alone(out)
     peak = torch.cuda.max_memory_allocated(device)
     for attn in runner.attn_layers:  # drop the scratch cache's last references
         attn.bind(torch.empty(0), torch.empty(0), runner.backend)
@@ -139,15 +139,6 @@ def cuda_kv_budget(runner) -> int:
     free, total = torch.cuda.mem_get_info(device)
     in_use_by_others = total - free - torch.cuda.memory_allocated(device)
     return int(total * runner.config.gpu_memory_utilization) - peak - in_use_by_others
-
-
-def run_alone(runner, out: SchedulerOutput) -> None:
-    """One step, not sent to the other ranks (each runs the same warm-up), its tokens dropped."""
-    from nanoserve.engine.model_runner import step_inputs  # (model_runner imports this module)
-
-    step, reqs = step_inputs(out, runner.block_size)
-    if (logits := runner.run(step)) is not None:
-        runner.sample(logits, reqs)
 
 
 def warmup_steps(config: EngineConfig) -> list[SchedulerOutput]:

@@ -191,6 +191,13 @@ class ModelRunner:
                              "kv_cache_memory_gib / gpu_memory_utilization or set num_kv_blocks")
         return num_blocks
 
+    def run_alone(self, out: SchedulerOutput) -> None:
+        """One step on this rank only, its tokens dropped (the GPU's KV sizing, cuda_graph.py:
+        each rank runs the same warm-up)."""
+        step, reqs = step_inputs(out, self.block_size)
+        if (logits := self.run(step)) is not None:
+            self.sample(logits, reqs)
+
     def _allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """One tensor [2, layers, blocks + 1, block_size, kv_heads, head_dim]. The extra
         last block is a sink for padding rows (CUDA graphs): it belongs to no request."""
