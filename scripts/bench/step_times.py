@@ -49,9 +49,13 @@ from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.models.loader import load_config
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import cpu
-from nanoserve_accel.kernels import compile_kernels
-from nanoserve_accel.linear import PanelsLinear
-from nanoserve_accel.plan import onednn_runs
+
+try:  # the fast-path plugin (its GEMMs join the roofline), if installed
+    from nanoserve_accel.kernels import compile_kernels
+    from nanoserve_accel.linear import PanelsLinear
+    from nanoserve_accel.plan import onednn_runs
+except ImportError:  # without it: the plain path only, and torch's GEMM for the roofline
+    compile_kernels = onednn_runs = None
 
 
 def decode_batch(runner: ModelRunner, rows: int, context: int):
@@ -93,14 +97,15 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     x = torch.randn(256, 576, dtype=dtype)
     w1, w2 = torch.randn(1536, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     ways = {"plain": lambda: F.linear(F.linear(x, w1), w2)}
-    if onednn_runs(dtype):  # (oneDNN's bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)
+    # (oneDNN's bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)
+    if onednn_runs is not None and onednn_runs(dtype):
         p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in (w1, w2))
 
         def packed():
             h = torch.ops.mkldnn._linear_pointwise(x, p1, None, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise(h, p2, None, "none", [], "")
         ways["packed"] = packed
-    if lib := compile_kernels():
+    if compile_kernels is not None and (lib := compile_kernels()):
         def packed_c(w: torch.Tensor) -> PanelsLinear:  # the weights first: packed from them
             linear = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
             linear.requires_grad_(False)

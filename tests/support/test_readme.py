@@ -33,7 +33,10 @@ def test_the_counts_the_readme_states_are_the_trees():
                      ROOT / "nanoserve" / "serve.py"]),
               lines(p for p in accel.glob("*.py")),
               lines([*(accel / "csrc").glob("*.c"), *(accel / "csrc").glob("*.h")]))
-    assert tuple(map(int, found.groups())) == actual
+    stated = tuple(map(int, found.groups()))
+    if not accel.is_dir():  # a checkout without the plugin (its folder deleted): the core's
+        stated, actual = stated[:2], actual[:2]
+    assert stated == actual
 
 
 def test_the_readme_is_short():
