@@ -7,8 +7,9 @@ It is the only place anything is swapped in, and it swaps whole modules:
     count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
     attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c: decode;
     bf16 prefill on AVX512-BF16),
-    a decode step's layer is one C call of those kernels (layer.py, csrc/layer.c), and freed
-    buffers stay in the heap (kernels.keep_freed_memory, process-wide).
+    a decode step's layer is one C call of those kernels (layer.py, csrc/layer.c), top-k and
+    top-p filter the likeliest tokens only (sampler.py), and freed buffers stay in the heap
+    (kernels.keep_freed_memory, process-wide).
 The results equal the plain path's (nanoserve_accel/tests/)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nanoserve_accel.fused import fuse_elementwise
 from nanoserve_accel.layer import fuse_layers
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
+from nanoserve_accel.sampler import candidate_probs
 
 if TYPE_CHECKING:
     from nanoserve.engine.model_runner import ModelRunner
@@ -33,6 +35,7 @@ def optimize(runner: ModelRunner) -> None:
     lib = kernels.compile_kernels()
     machine = plan.Machine.probe(lib)
     replace_linears(runner.model, lib, machine)  # the plan's GEMM for each
+    runner.sampler.filter = candidate_probs  # top-k / top-p among the likeliest tokens
     if lib is None:
         return
     fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each

@@ -75,10 +75,9 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device).manual_seed(seed)  # the engine's
-        # top-k / top-p on the 1024 most likely tokens, not a sort of the whole vocabulary: a
-        # CPU's sort of 16 x 49152 logits took 38 ms, its top-1024 5 ms. On a GPU the sort is
-        # cheap, and knowing that the candidates suffice would cost a sync (None: the sort).
-        self.num_candidates = 1024 if torch.device(device).type == "cpu" else None
+        # What filters the rows that sample: a fast path may swap in one that computes the same
+        # probabilities faster (nanoserve_accel: among the most likely tokens only, on a CPU).
+        self.filter = filtered_probs
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -90,7 +89,7 @@ class Sampler:
         # widening is exact), without a float32 copy of every row. It propagates NaN.
         top, tokens = logits.max(dim=-1)
         if meta.rows is not None:
-            probs, ids = filtered_probs(logits[meta.rows].float(), meta, self.num_candidates)
+            probs, ids = self.filter(logits[meta.rows].float(), meta)
             drawn = self.draw(probs, ids, logits.shape[1], meta.generators)
             tokens = tokens.index_put((meta.rows,), drawn)
         tokens = tokens.masked_fill(top.isnan(), NAN_LOGITS)
@@ -116,45 +115,30 @@ class Sampler:
         return tokens.masked_fill(~(probs.sum(dim=-1) > 0), NO_PROBABILITY)  # also NaN sums
 
 
-def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata, num_candidates: int | None = None,
+def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logits [rows, vocab] -> probabilities after temperature, top-k and top-p, and the
-    token id of each (None: all the vocabulary, in its order). top-k keeps exactly k tokens;
-    top-p the smallest prefix of the sorted distribution whose mass reaches top_p (the crossing
-    token kept, and always the first). With `num_candidates`, only that many most likely tokens
-    are sorted when they hold every row's top-k or top-p mass; else all of them are."""
+    token id of each (None: the vocabulary's order). top-k keeps exactly k tokens; top-p the
+    smallest sorted prefix whose mass reaches top_p (the crossing token kept, and the first)."""
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.top_k is None and meta.top_p is None:
         return logits.softmax(dim=-1), None
-    vocab = logits.shape[1]
-    if num_candidates is not None and num_candidates < vocab:
-        if (found := nucleus(logits, meta, num_candidates)) is not None:
-            return found
-    return nucleus(logits, meta, vocab)
+    values, ids = logits.sort(dim=-1, descending=True)
+    return top_k_top_p(values, meta), ids
 
 
-def nucleus(logits: torch.Tensor, meta: SamplingMetadata,
-            k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """top-k and top-p among each row's k most likely tokens; None if they do not suffice."""
-    values, ids = logits.topk(k, dim=-1) if k < logits.shape[1] else \
-        logits.sort(dim=-1, descending=True)
-    rank = torch.arange(k, device=logits.device).unsqueeze(0)
-    top_k = None if meta.top_k is None else meta.top_k.unsqueeze(1)
-    if top_k is not None:
-        values = values.masked_fill(rank >= top_k, float("-inf"))
-    norm = values.logsumexp(dim=-1, keepdim=True)  # a top-k row's: over its k tokens
-    if k < logits.shape[1]:  # the others': over the whole vocabulary
-        within = top_k <= k if top_k is not None else torch.zeros_like(norm, dtype=torch.bool)
-        norm = torch.where(within, norm, logits.logsumexp(dim=-1, keepdim=True))
-        mass = (values - norm).exp().sum(dim=-1, keepdim=True)
-        need = torch.ones_like(mass) if meta.top_p is None else meta.top_p.unsqueeze(1)
-        if not bool((within | (mass >= need)).all()):  # (on a CPU: no device to sync with)
-            return None
-    probs = (values - norm).exp()
+def top_k_top_p(values: torch.Tensor, meta: SamplingMetadata,
+                norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits sorted in each row [rows, k] -> their probabilities after top-k and top-p. `norm`:
+    the log of each row's whole mass [rows, 1] (None: of the values left after top-k)."""
+    rank = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+    if meta.top_k is not None:
+        values = values.masked_fill(rank >= meta.top_k.unsqueeze(1), float("-inf"))
+    probs = (values - (values.logsumexp(dim=-1, keepdim=True) if norm is None else norm)).exp()
     if meta.top_p is not None:  # (a top_p below float32's smallest rounds to 0: keep rank 0)
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill((mass_before >= meta.top_p.unsqueeze(1)) & (rank > 0), 0.0)
-    return probs, ids
+    return probs
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None],

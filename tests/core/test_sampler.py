@@ -43,11 +43,10 @@ def logits_of(probs_by_token: dict[int, float], vocab: int = VOCAB) -> torch.Ten
 LOGITS = logits_of(dict(zip(TOKENS, P)))
 
 
-def kept(params: SamplingParams, logits: torch.Tensor = LOGITS,
-         num_candidates: int | None = None) -> dict[int, float]:
+def kept(params: SamplingParams, logits: torch.Tensor = LOGITS) -> dict[int, float]:
     """Token id -> filtered (unnormalised) probability, for the tokens that survive."""
     meta = SamplingMetadata.build([params], [None], logits.shape[-1], logits.device)
-    probs, ids = filtered_probs(logits.unsqueeze(0).float(), meta, num_candidates)
+    probs, ids = filtered_probs(logits.unsqueeze(0).float(), meta)
     ids = range(probs.shape[1]) if ids is None else ids[0].tolist()
     return {t: float(p) for t, p in zip(ids, probs[0]) if p > 0}
 
@@ -279,25 +278,3 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
         return [sampler(logits, params, gens)[0][neighbours // 2] for _ in range(12)]
 
     assert draws(0) == draws(1) == draws(4)
-
-
-@pytest.mark.parametrize("knobs", [dict(top_p=0.9), dict(top_k=50), dict(top_k=2000),
-                                   dict(top_k=40, top_p=0.5), dict(top_p=0.999)])
-def test_the_candidates_draw_what_the_whole_sort_draws(knobs):
-    """A CPU's sampler filters among the 1024 most likely tokens when they suffice (peaked
-    rows), else sorts the whole row (a flat one; top_k 2000): the same tokens as the full
-    sort, draw for draw, the noise being per vocabulary token either way."""
-    vocab = 5000
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)) * 6
-    logits[2] *= 1e-3  # nearly flat (no exact ties, which topk and sort break apart): top-p
-    # needs most of the vocabulary
-    params = [SamplingParams(temperature=0.9, seed=3, **knobs)] * 4
-
-    def tokens(num_candidates: int | None) -> list:
-        sampler = Sampler(0)
-        sampler.num_candidates = num_candidates
-        gens = [torch.Generator().manual_seed(i) for i in range(4)]
-        return [sampler(logits, params, gens)[0] for _ in range(6)]
-
-    assert tokens(1024) == tokens(None)
-    assert kept(params[0], logits[0], 1024) == pytest.approx(kept(params[0], logits[0]))
