@@ -2,8 +2,9 @@
 free pool as a request's tokens are computed, returned to it in the step the request finishes.
 
 Prefix caching: each *full* block whose KV is computed is registered under a hash chained from its
-parent's hash and its token ids, so a hash names a whole prefix (hits are checked against the token
-ids: hashes can collide). It stays reusable after it is freed, until the pool needs it back.
+parent's hash and its token ids, so a hash names a whole prefix (SHA-256, vLLM's since
+CVE-2025-25183: no prompt can collide with another's prefix). It stays reusable after it is freed,
+until the pool needs it back.
 
 As vLLM's `BlockPool.free_blocks`: a request's blocks are freed tail first; those without a hash,
 never reusable, go to the front of the free pool as one run (taken first, the tail first) and
@@ -19,7 +20,10 @@ Invariants (checked by the property tests after every step):
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nanoserve.engine.request import Request
@@ -29,19 +33,15 @@ from nanoserve.engine.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and its KV computed
-    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to verify hits
+    block_hash: bytes | None = None  # set once the block is full and its KV computed
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256((parent_hash or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
-                             f"{block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -68,14 +68,14 @@ class BlockManager:
         token is never taken from the cache: even a fully cached prompt computes its logits."""
         if not self.enable_prefix_caching:
             return [], 0
-        num_full = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        num_full = (req.num_tokens - 1) // bs
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range(num_full):
-            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
+            parent = hash_block(parent, req.token_ids[i * bs:(i + 1) * bs])
             block_id = self.cached_blocks.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
@@ -100,7 +100,6 @@ class BlockManager:
             return False
         if new_computed_blocks is not None and self.enable_prefix_caching:
             # Counted at admission only: a request waiting for room is looked up every step.
-            # A resumption finds its own recomputed prefix: counted apart, as in vLLM.
             hits = len(computed) * self.block_size
             if req.num_preemptions:
                 self.preempted_queries += req.num_tokens
@@ -125,7 +124,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict: its prefix is no longer reusable
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash = None
         block.ref_count = 1
         return block_id
 
@@ -134,15 +133,15 @@ class BlockManager:
         forward pass, never before: a hash must not promise KV that was never written."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        bs = self.block_size
+        num_full = req.num_computed_tokens // bs
         parent = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), num_full):
-            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
+            parent = hash_block(parent, req.token_ids[i * bs:(i + 1) * bs])
             req.block_hashes.append(parent)
             block = self.blocks[req.block_table[i]]
             if block.block_hash is None:
-                block.block_hash, block.token_ids = parent, tokens
+                block.block_hash = parent
                 # First writer wins; an equal block computed twice just isn't shared.
                 self.cached_blocks.setdefault(parent, block.block_id)
 

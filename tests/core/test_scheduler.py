@@ -4,9 +4,12 @@ prefix caching's hashing, verification and eviction order."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import pytest
 
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.block_manager import BlockManager, hash_block
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
@@ -212,15 +215,22 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_freed_first
     assert bm.get_computed_blocks(make_request("b2", [5, 6, 7]))[1] == 2
 
 
-def test_hash_collision_is_a_miss_not_a_wrong_hit():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    a = make_request("a", [1, 2, 3])
-    bm.allocate_slots(a, 3)
-    a.num_computed_tokens = 3
-    bm.cache_full_blocks(a)
-    block = bm.blocks[a.block_table[0]]
-    block.token_ids = (7, 7)  # pretend another prefix had landed on the same hash
-    assert bm.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)
+def test_block_hashes_are_chained_sha256():
+    """vLLM's since CVE-2025-25183: a block's hash covers its parent's (so it names the whole
+    prefix), and no prompt can be crafted whose prefix collides with another's."""
+    first = hash_block(None, [1, 2])
+    assert first == hashlib.sha256(array("q", [1, 2]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", [3, 4]).tobytes()).digest()
+    assert hash_block(first, [3, 4]) == second
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, b = make_request("a", [1, 2, 3, 4, 5]), make_request("b", [9, 9, 7, 7, 5])
+    for req in (a, b):
+        bm.allocate_slots(req, 5)
+        req.num_computed_tokens = 5
+        bm.cache_full_blocks(req)
+    assert bm.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5])) == (a.block_table[:2], 4)
+    # [3, 4] is cached, but after [1, 2]: after [9, 9] it is another prefix, a miss.
+    assert bm.get_computed_blocks(make_request("d", [9, 9, 3, 4, 5])) == (b.block_table[:1], 2)
 
 
 # -- §6.2: "only if nothing was preempted", in steps where admission WOULD fit ---------
