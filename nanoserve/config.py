@@ -1,8 +1,7 @@
-"""Engine configuration (vLLM's names): the knobs of §6.2 and §7, the KV cache (§5), the
-device. Checked when built, then resolved against the machine and the model's config.json
-(`resolve_config` fills every "auto"/None: device, dtype, attention backend, block size, the batch
-limits), both before any memory is allocated. Every bad value is a ValueError that names the field
-and the allowed range."""
+"""Engine configuration (vLLM's names): the knobs of §6.2 and §7, the KV cache (§5), the device.
+Checked when built, then resolved against the machine and the model's config.json (`resolve_config`
+fills every "auto"/None), both before any memory is allocated. Every bad value is a ValueError
+that names the field and the allowed range."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from functools import partial
 import torch
 from transformers import PretrainedConfig
 
-from nanoserve.sampling_params import check_field, is_int
-from nanoserve.utils import cpu
+from nanoserve.utils import check_field, cpu, divide, is_int
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BATCHING = ("continuous", "static")
@@ -84,12 +82,11 @@ class EngineConfig:
         # No chunking means none at all: a per-request chunk cap would contradict it.
         need(self.enable_chunked_prefill or self.long_prefill_token_threshold is None,
              "long_prefill_token_threshold", "None when enable_chunked_prefill is False")
-        if (not self.enable_chunked_prefill and None not in (self.max_model_len,
-                                                             self.max_num_batched_tokens)
-                and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is "
-                             "False: otherwise a long prompt could never be scheduled in one step")
+        tokens, model_len = self.max_num_batched_tokens, self.max_model_len
+        if not self.enable_chunked_prefill and tokens and model_len and tokens < model_len:
+            raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_model_len "
+                             f"({model_len}) when enable_chunked_prefill is False: otherwise a "
+                             "long prompt could never be scheduled in one step")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -145,8 +142,7 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
 
 def resolve_block_size(backend_name: str, block_size: int | None, device: str) -> int:
     """flash-attn's paged KV needs multiples of 256 tokens; the torch twins, any. Defaults are
-    vLLM's: 16 on CUDA; 128 on a CPU, where a block is one contiguous run of the cache and short
-    runs stream slower through decode attention."""
+    vLLM's: 16 on CUDA, 128 on a CPU (decode attention streams short runs of the cache slower)."""
     if backend_name == "flash-attn":
         if block_size is not None and block_size % 256 != 0:
             raise ValueError(f"block_size must be a multiple of 256 with flash-attn's paged KV, "
@@ -166,11 +162,9 @@ def resolve_config(config: EngineConfig, hf_config: PretrainedConfig) -> EngineC
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len ({max_model_len}) must be <= the model's "
                          f"max_position_embeddings ({model_limit})")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if config.tensor_parallel_size > 1 and getattr(hf_config, name) % \
-                config.tensor_parallel_size:  # each rank its share
-            raise ValueError(f"{name} ({getattr(hf_config, name)}) must be divisible by "
-                             f"tensor_parallel_size ({config.tensor_parallel_size})")
+    tp_sizes = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    for name in tp_sizes if config.tensor_parallel_size > 1 else ():  # each rank its share
+        divide(getattr(hf_config, name), config.tensor_parallel_size, name)
     seqs, tokens = batch_defaults(device, config.usage_context)
     tokens = config.max_num_batched_tokens or (tokens if config.enable_chunked_prefill
                                                else max(tokens, max_model_len))

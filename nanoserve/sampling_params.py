@@ -3,29 +3,10 @@
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
 from functools import partial
 
-
-def is_int(value: object) -> bool:
-    """bools are ints to Python, not to us (EngineConfig rejects them too)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_field(obj: object, ok: bool, name: str, allowed: str) -> None:
-    """Every bad setting is this ValueError: the field, what it must be, what it got."""
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {getattr(obj, name)!r}")
-
-
-def as_token_id(value: object) -> int | None:
-    """`value` as an int if it is integer-like (int, numpy.int64, ...; not bool), else None."""
-    try:
-        return None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        return None
-
+from nanoserve.utils import as_token_id, check_field, is_int
 
 MAX_N = 128  # completions per prompt (OpenAI's limit)
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
@@ -41,13 +22,11 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops. temperature below 1e-5 means greedy (argmax).
-    top_k None (or -1, vLLM's spelling) disables top-k. `seed` gives the request its own generator:
-    reproducible for the same batch schedule (README: what is guaranteed). `stop` strings end a
-request where they appear in its text, cut off unless include_stop_str_in_output (vLLM's
-semantics, engine/detokenizer.py). `n` completions of one prompt (vLLM's parallel sampling);
-`logprobs` N: each output token's log-probability, and the N most likely tokens'. The engine
-copies it."""
+    """How one request samples and when it stops (the engine copies it). temperature below 1e-5
+    is greedy (argmax); top_k None (or -1, vLLM's spelling) is off. `seed`: the request's own
+    generator, reproducible for the same batch schedule. `stop` strings end it where they appear
+    in its text (vLLM's semantics, entrypoints/detokenizer.py); `n` completions of one prompt;
+    `logprobs` N: each output token's log-probability, and the N most likely tokens'."""
 
     temperature: float = 1.0
     top_p: float = 1.0

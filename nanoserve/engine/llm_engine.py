@@ -8,8 +8,6 @@ outputs and stop strings, n completions, `generate()`) is the entry points', as 
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -18,7 +16,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import FinishReason, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.static_scheduler import StaticScheduler
-from nanoserve.engine.trace import Tracer, trace_line
+from nanoserve.engine.trace import Tracer
 from nanoserve.models.loader import load_config
 
 
@@ -44,35 +42,17 @@ class LLMEngine:
         scheduler_cls = StaticScheduler if self.config.batching == "static" else Scheduler
         self.scheduler = scheduler_cls(self.config, self.model_runner.num_kv_blocks,
                                        self.config.block_size)
-        self.trace = self.config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
-        self.tracer: Tracer | None = None  # JSON lines of every step (trace.py)
-        if self.config.trace_file is not None:
-            self.trace_to(self.config.trace_file)
+        self.tracer = Tracer.from_config(self.config, self.scheduler.block_manager)  # or None
         self.num_steps = 0
         self.last_scheduler_output: SchedulerOutput | None = None
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """A ValueError unless these ids can run here: in the vocabulary, within max_model_len,
-        and with one generated token within the whole KV cache."""
-        vocab, bm = self.vocab_size, self.scheduler.block_manager
-        if not token_ids:
-            raise ValueError("prompt must have at least 1 token, got 0")
-        if bad := [t for t in token_ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
-                             f"({self.config.max_model_len})")
-        if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
-            raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
-                             f"needs {needed} KV blocks, but the whole KV cache has "
-                             f"{bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def trace_to(self, path: str, source: str = "engine") -> None:
         """Append every following step to `path` as JSON lines, a new run (trace.py)."""
-        self.tracer = Tracer(path, self.config, self.scheduler.block_manager, source)
+        print_lines = self.tracer is not None and self.tracer.print_lines
+        self.tracer = Tracer(path, self.config, self.scheduler.block_manager, source, print_lines)
 
     def step(self) -> list[Request]:
         """One turn of the loop (§4); returns the requests that finished in it. Every scheduled
@@ -92,10 +72,8 @@ class LLMEngine:
                                "pending; this is a bug (it would otherwise hang)")
         self.num_steps += 1
         self.last_scheduler_output = out
-        if self.tracer is not None:
+        if self.tracer is not None:  # JSON lines, printed lines or both (trace.py)
             self.tracer.record(out, finished, self.scheduler, (time.perf_counter() - start) * 1e3)
-        if self.trace:
-            print(trace_line(self.num_steps, out, finished, self.scheduler), file=sys.stderr)
         return finished
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -103,8 +81,7 @@ class LLMEngine:
         return self.scheduler.finish_request(request_id, FinishReason.ABORT)
 
     def shutdown(self) -> None:
-        """Stop the engine's other processes (tensor parallel); garbage collection and exit
-        stop them too."""
+        """Stop the other processes (tensor parallel); garbage collection and exit do too."""
         self.model_runner.shutdown()
 
     def stats(self) -> EngineStats:

@@ -5,9 +5,8 @@ alike, are flattened into one batch of rows. The linear layers don't care where 
 attention does, told by the `AttentionMetadata` built here (with each new token's KV slot). Rows:
 decodes (one new token each, then static batching's idle rows), then prefill chunks.
 
-On a GPU the step's inputs go up in one batch of pinned, asynchronous copies, and the sampled
-tokens are the only thing read back; decode steps replay CUDA graphs (cuda_graph.py) unless
-`enforce_eager`."""
+On a GPU the inputs go up as pinned, asynchronous copies, the sampled tokens are all that comes
+back, and decode steps replay CUDA graphs (cuda_graph.py) unless `enforce_eager`."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ from nanoserve.models.loader import load_model
 
 @dataclass
 class StepInputs:
-    """What step_inputs derives from a SchedulerOutput, as host lists: what a tensor-parallel
-    rank 0 sends the other ranks each step (block tables travel with it)."""
+    """A step's rows as host lists (step_inputs): what tensor-parallel rank 0 sends the others."""
 
     input_ids: list[int]
     positions: list[int]
@@ -83,8 +81,7 @@ class ModelRunnerOutput:
 
 
 def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list[Request]]:
-    """The step's rows, in the order above, and the requests that sample. Reads `out` and its
-    requests; changes nothing."""
+    """The step's rows, in the order above, and the requests that sample; changes nothing."""
     # (request, first position, number of new tokens, samples?)
     decode_rows = [(s.request, s.request.num_computed_tokens, 1, s.samples)
                    for s in out.scheduled if s.is_decode]
@@ -120,26 +117,23 @@ def step_inputs(out: SchedulerOutput, block_size: int) -> tuple[StepInputs, list
 
 
 def fast_paths() -> list[tuple[str, Callable[[ModelRunner], None]]]:
-    """The installed fast-path plugins (nanoserve_accel ships one), found as vLLM finds its
-    plugins, by entry point: the chapter core imports none of them. One that fails to load is
-    skipped with a warning: the engine runs its plain path."""
+    """The installed fast-path plugins (nanoserve_accel), found by entry point as vLLM finds its
+    plugins; one that fails to load is skipped with a warning: the engine runs its plain path."""
     found = []
     for ep in entry_points(group="nanoserve.fast_paths"):
         try:
             found.append((ep.name, ep.load()))
         except Exception as e:  # e.g. its folder was deleted after it was installed
-            logging.getLogger("nanoserve").warning("fast path %r did not load, running the "
-                                                   "plain path: %s: %s", ep.name,
-                                                   type(e).__name__, e)
+            logging.getLogger("nanoserve").warning(
+                "fast path %r did not load, running the plain path: %r", ep.name, e)
     return found
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, rank: int = 0,
                  init_method: str | None = None) -> None:
-        """`config` is resolved (resolve_config): no "auto" or None is left in it. Tensor
-        parallel: rank 0 starts the other ranks (workers.py); on a rank > 0 this serves steps
-        until rank 0 stops, then exits the process."""
+        """`config` is resolved (no "auto" or None left). Tensor parallel: rank 0 starts the
+        others (workers.py); on a rank > 0 this serves steps until rank 0 stops, then exits."""
         self.config, self.block_size = config, config.block_size
         self.device, self.dtype = torch.device(config.device), TORCH_DTYPES[config.dtype]
         self.backend = get_backend(config.attention_backend)
@@ -192,8 +186,7 @@ class ModelRunner:
         return num_blocks
 
     def run_alone(self, out: SchedulerOutput) -> None:
-        """One step on this rank only, its tokens dropped (the GPU's KV sizing, cuda_graph.py:
-        each rank runs the same warm-up)."""
+        """One step on this rank only, its tokens dropped (cuda_graph's warm-up, every rank's)."""
         step, reqs = step_inputs(out, self.block_size)
         if (logits := self.run(step)) is not None:
             self.sample(logits, reqs)

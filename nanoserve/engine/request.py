@@ -45,7 +45,7 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt, then outputs: one list, O(1) appends
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks cached so far
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks cached so far
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -78,6 +78,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)

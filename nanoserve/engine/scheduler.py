@@ -30,9 +30,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     samples: bool  # this step computes the request's last known token, so a token is sampled
-    # It computes the one token sampled last step (§6: a case, not a phase; a prompt's
-    # one-token chunk is prefill).
-    is_decode: bool = False
+    is_decode: bool = False  # it computes the token sampled last step (§6: a case, not a phase)
 
 
 @dataclass
@@ -134,8 +132,7 @@ class Scheduler:
 
     @staticmethod
     def _add_to_output(req: Request, num_new: int, out: SchedulerOutput) -> None:
-        """The one place that decides if a row samples (when it reaches the last known token)
-        and if it decodes."""
+        """The one place that decides if a row samples (reaches the last known token), decodes."""
         samples = req.num_computed_tokens + num_new == req.num_tokens
         decode = num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens
         out.scheduled.append(ScheduledRequest(req, num_new, samples, decode))
@@ -177,7 +174,7 @@ class Scheduler:
             if isinstance(token, str):  # the sampler failed this row: only this request ends
                 req.error, reason = token, FinishReason.ERROR
             else:
-                req.append_token(token)
+                req.token_ids.append(token)
                 req.first_token_time = req.first_token_time or now
                 reason = self._check_stop(req)
             if reason is not None:
@@ -207,8 +204,8 @@ class Scheduler:
 
     def finish_request(self, request_id: str, reason: FinishReason,
                        drop_finished: bool = False) -> Request | None:
-        """End a waiting, running or preempted request from outside the step (an abort, a stop
-        string), freeing its blocks at once; unknown or finished ids: no-op, None."""
+        """End a waiting, running or preempted request from outside the step (an abort), freeing
+        its blocks at once; unknown or finished ids: no-op, None."""
         for req in self.running:
             if req.request_id == request_id:
                 self.running.remove(req)

@@ -8,6 +8,8 @@ admission, freed at finish (static: batch end) or preemption."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +21,12 @@ if TYPE_CHECKING:
 
 
 class Tracer:
-    """Call `record()` once per step, after `update_from_output()`."""
+    """Call `record()` once per step, after `update_from_output()`: it appends the step's JSON
+    line to `path` (if any) and prints `trace_line` to stderr (if `print_lines`)."""
 
     def __init__(self, path: str | None, config: EngineConfig, block_manager: BlockManager,
-                 source: str = "engine") -> None:
-        self.path = path
+                 source: str = "engine", print_lines: bool = False) -> None:
+        self.path, self.print_lines = path, print_lines
         self.header = {"type": "run", "name": config.batching, "policy": config.scheduling_policy,
                        "max_num_seqs": config.max_num_seqs,
                        "token_budget": config.max_num_batched_tokens,
@@ -32,6 +35,15 @@ class Tracer:
         self.seats: dict[str, int] = {}  # request_id -> seat
         self.num_steps = 0
         self.start = time.monotonic()  # t_s: when a measured step ended (served traffic's gaps)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, block_manager: BlockManager) -> Tracer | None:
+        """The engine's: JSON lines to `trace_file`, printed lines if `trace` (or
+        NANOSERVE_TRACE=1); None if neither is asked for."""
+        print_lines = config.trace or os.environ.get("NANOSERVE_TRACE", "") not in ("", "0")
+        if config.trace_file is None and not print_lines:
+            return None
+        return cls(config.trace_file, config, block_manager, print_lines=print_lines)
 
     def step_record(self, out: SchedulerOutput, finished: list[Request], scheduler: Scheduler,
                     time_ms: float | None = None) -> dict[str, Any]:
@@ -88,6 +100,8 @@ class Tracer:
             lines = ([self.header] if record["step"] == 1 else []) + [record]
             with open(self.path, "a", encoding="utf-8") as f:  # a short trace needs no close()
                 f.writelines(json.dumps(x) + "\n" for x in lines)
+        if self.print_lines:
+            print(trace_line(self.num_steps, out, finished, scheduler), file=sys.stderr)
         return record
 
 

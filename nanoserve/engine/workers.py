@@ -1,9 +1,8 @@
 """Tensor parallel (tensor_parallel_size > 1): one model split over N processes, one a rank, as
 nano-vllm and vLLM do it. Rank 0 runs the chapter's loop unchanged (the scheduler and block
-manager exist once, there); every rank holds its shard of each layer (layers/linear.py) and the KV
-of its own heads, and runs the same forward in lockstep, its collectives on torch.distributed:
-gloo on a CPU, NCCL on CUDA. Each step rank 0 sends the step's inputs (StepInputs: ids,
-positions, slots, block tables) to the others with a broadcast over a gloo group.
+manager exist once, there) and broadcasts each step's StepInputs (block tables included) over a
+gloo group; every rank holds its shard of each layer (layers/linear.py) and the KV of its own
+heads, and runs the same forward in lockstep on torch.distributed (gloo on a CPU, NCCL on CUDA).
 
 Rank 0 starts the other ranks itself (torch.multiprocessing, spawn) on one machine; under
 `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) every process runs the same script,

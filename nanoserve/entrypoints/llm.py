@@ -25,7 +25,8 @@ from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams, as_token_id, is_int
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.utils import as_token_id, is_int
 
 Prompt = str | list[int]
 
@@ -89,6 +90,22 @@ class LLM(LLMEngine):
         return [Request(request_id if params.n == 1 else f"{i}_{request_id}", token_ids, child,
                         self.eos_token_ids, priority=priority, prompt=text,
                         generator=self._generator(child.seed)) for i, child in enumerate(children)]
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """A ValueError unless these ids can run here: in the vocabulary, within max_model_len,
+        and with one generated token within the whole KV cache."""
+        vocab, bm = self.vocab_size, self.scheduler.block_manager
+        if not token_ids:
+            raise ValueError("prompt must have at least 1 token, got 0")
+        if bad := [t for t in token_ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
+        if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
+                             f"needs {needed} KV blocks, but the whole KV cache has "
+                             f"{bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         """A seeded request's own generator, on the device its tokens are sampled on."""

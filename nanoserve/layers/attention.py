@@ -3,8 +3,7 @@
 `AttentionMetadata` tells attention where each request of the flattened batch ends. Rows are
     [ decode rows: one new token per request | prefill rows: chunks of >= 2 tokens ]
 where "decode" just means one new token this step (a one-token prefill chunk takes that path,
-correctly). Both calls: flash-attn's where it can run (config.resolve_attention_backend), else the
-torch twins."""
+correctly). Both calls are flash-attn's where it can run, else the torch twins (torch_attention)."""
 
 from __future__ import annotations
 
@@ -67,9 +66,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
-        if self.backend is None:
-            raise RuntimeError("Attention has no KV cache bound: the ModelRunner calls bind() "
-                               "when it allocates the cache")
         self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -88,8 +84,7 @@ class Attention(nn.Module):
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """The kernels of a backend config.resolve_attention_backend chose: flash-attn's, or the
-    torch twins with its signatures."""
+    """The kernels config.resolve_attention_backend chose: flash-attn's, or the torch twins."""
     if name == "flash-attn":
         import flash_attn
 

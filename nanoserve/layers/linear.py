@@ -15,18 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def divide(total: int, tp_size: int, name: str) -> int:
-    if total % tp_size:
-        raise ValueError(f"{name} ({total}) must be divisible by tensor_parallel_size "
-                         f"({tp_size})")
-    return total // tp_size
+from nanoserve.utils import divide
 
 
 class ColumnParallelLinear(nn.Linear):
-    """y = x W^T + b for this rank's output columns. `output_sizes` lists the merged parts (q, k, v;
-    gate, up; or one part), each split evenly over the ranks: this rank holds slice `tp_rank` of
-    every part, the parts side by side."""
+    """y = x W^T + b for this rank's output columns. `output_sizes`: the merged parts (q, k, v;
+    gate, up; or one), each split over the ranks: this rank holds its slice of each, in a row."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  tp_size: int = 1, tp_rank: int = 0, name: str = "output size") -> None:

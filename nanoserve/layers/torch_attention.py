@@ -94,10 +94,9 @@ def flash_attn_varlen_func(
 def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                       flash_contract) -> None:
     """flash_attn_with_kvcache's contract (the lengths too, on a CPU: on a GPU, a sync)."""
-    _require(k is None and v is None,
-             "the torch twin reads K/V already in the cache; pass k=None, v=None")
-    _require(block_table is not None and cache_seqlens is not None,
-             "the torch twin needs block_table and cache_seqlens")
+    _require(k is None and v is None and block_table is not None and cache_seqlens is not None,
+             "the torch twin reads K/V in the cache: pass k=None, v=None, block_table and "
+             "cache_seqlens")
     _check_contract({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                     {"cache_seqlens": cache_seqlens, "block_table": block_table}, True,
                     flash_contract)

@@ -3,10 +3,9 @@
   - Qwen2: bias on q/k/v projections;
   - Qwen3: RMSNorm on each head of q and k (before RoPE), explicit `head_dim`;
   - Llama: optional `attention_bias` / `mlp_bias`; all use GQA, RoPE and a SiLU-gated MLP.
-Module names are HF's, but for vLLM's merged projections `qkv_proj` and `gate_up_proj`
-(layers/linear.py), which the loader fills from HF's separate tensors. Tokens are flattened (§1:
-one weight read serves them all): every tensor is [num_tokens, ...]; only attention knows where
-requests end."""
+Module names are HF's, but for vLLM's merged `qkv_proj` and `gate_up_proj` (layers/linear.py).
+Tokens are flattened (§1: one weight read serves them all): every tensor is [num_tokens, ...];
+only attention knows where requests end."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from nanoserve.layers.linear import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
-    divide,
 )
+from nanoserve.utils import divide
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -98,19 +97,17 @@ class GatedMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE, HF's "default" rope_type: fp32 cos/sin tables [max_positions, head_dim], built once and
-    shared by all layers. `cos_sin` looks up the step's positions once; every layer then rotates
-    its q and k with them (`forward`)."""
+    """RoPE, HF's "default" rope_type: fp32 cos/sin tables [max_positions, head_dim] shared by all
+    layers. `cos_sin` looks up the step's positions once; each layer rotates q and k with them."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
-        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
         self.reset_cache()
 
     def reset_cache(self, device: torch.device | None = None) -> None:
-        """Exactly HF's rope (fp32 logits match to the bit); the loader calls it once allocated."""
+        """Exactly HF's rope (fp32 logits match to the bit). Plain attributes, not buffers: the
+        model's .to(dtype) leaves them fp32; the loader calls this on the model's device."""
         dim = self.head_dim
         exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
         inv_freq = 1.0 / (self.base ** exponent)

@@ -95,7 +95,7 @@ def test_multibyte_characters_never_come_out_broken(llm, text):
     detok = Detokenizer(llm.tokenizer, req.sampling_params)
     pieces = []
     for i, t in enumerate(ids):
-        req.append_token(t)
+        req.token_ids.append(t)
         if i == len(ids) - 1:
             req.status = RequestStatus.FINISHED
         detok.update(req)
@@ -147,7 +147,7 @@ def test_holdback_while_streaming(llm):
     req, detok = Request("x", [1], params), Detokenizer(llm.tokenizer, params)
     sent = ""
     for t in ids:
-        req.append_token(t)
+        req.token_ids.append(t)
         assert detok.update(req) is None
         sent += detok.output(req)[0]
         assert sent == detok.text[:max(len(detok.text) - 4, 0)]

@@ -55,7 +55,7 @@ def step(tracer: Tracer, sched: FakeScheduler, *, run=(), idle=(), admit=(), pre
         scheduled.append(ScheduledRequest(r, n, samples, decode))
         r.num_computed_tokens += n
         if samples:
-            r.append_token(7)
+            r.token_ids.append(7)
     for r in finish:
         r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
         if r in sched.running:  # a static idle row has left `running` already
@@ -85,7 +85,7 @@ def test_header_and_step_fields_and_types(tmp_path):
     out = SchedulerOutput([ScheduledRequest(a, 4, True), ScheduledRequest(b, 3, False)],
                           token_budget=16, idle_rows=[], preempted=[], admitted=[a, b])
     a.num_computed_tokens, b.num_computed_tokens = 4, 3
-    a.append_token(5)
+    a.token_ids.append(5)
     tracer.record(out, [], sched, time_ms=12.34567)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["type"] for x in lines] == ["run", "step"]
