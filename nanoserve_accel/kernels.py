@@ -42,6 +42,7 @@ ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5
 # Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c, csrc/attention_prefill.c),
 # AMX (csrc/amx.c) or AVX-512F (csrc/dot_fp32.c): these have no dtype flag.
 OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
+                     "linear_dpbf16_blocked": [_P] * 4 + [_I] * 3,
                      "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
                      "linear_dot_fp32": [_P] * 4 + [_I] * 3,
                      "paged_prefill": [_P] * 7 + [_I] * 10 + [_F, _I], "has_paged_prefill": []}

@@ -7,15 +7,24 @@ the kernel that reads it. Each `nn.Linear` becomes the module of the GEMM the pl
     widened to fp32 once per panel (CPUs without native bf16).
   - `DotFp32Linear`, `Dpbf16Linear`: dot products on the plain weight (any N, any K) in fp32
     (csrc/dot_fp32.c, AVX-512) or bf16 pairs (csrc/dpbf16.c, AVX512-BF16), where they stream the
-    weights near memory speed and oneDNN does not.
+    weights near memory speed and oneDNN does not. A bf16 one that hands over to oneDNN reads
+    oneDNN's reordered weight instead (csrc/dpbf16.c's blocked GEMM).
   - `AmxLinear`: csrc/amx.c's tile GEMM on a weight packed into the tiles' order (AMX).
-A C GEMM takes up to `max_rows` rows (the plan's); more go to oneDNN. Memory: the plain weight,
-the kernel's layout where it has its own, and oneDNN's reordered copy where it hands over."""
+A C GEMM takes up to `max_rows` rows (the plan's); more go to a library GEMM.
+
+Memory: each linear keeps its weight once, in the layout its kernels read, and drops the plain
+parameter where that is not it (a tied lm_head's plain table stays: the embedding's). The rows
+beyond `max_rows` go to a library GEMM on that same tensor, not to a second copy:
+  - dot_fp32: oneDNN on the plain weight (it reorders on the fly; fp32 hands over only from 96
+    rows, where that costs little);
+  - dpbf16: oneDNN on its reordered weight, which the C GEMM then reads too. oneDNN on the plain
+    bf16 weight cost half as much again at 16 rows (it re-packs W into VNNI pairs every call);
+  - panels: torch's batched GEMM on the panels as [N / 16, K, 16] matrices;
+  - amx: the tile GEMM itself, in passes of 64 rows (no library reads its tile order)."""
 
 from __future__ import annotations
 
 import ctypes
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,54 +33,83 @@ from torch import nn
 from nanoserve.layers.linear import ParallelLMHead, RowParallelLinear
 from nanoserve_accel import kernels, plan
 
+ONEDNN_BATCH_HINT = 64  # the rows oneDNN's reorder lays the weight out for
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in oneDNN's blocked layout (an opaque MKLDNN tensor, its own memory)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_BATCH_HINT)
+
+
+def onednn_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM on `weight`, reordered (reorder()) or plain (then packed on the fly)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
 
 class OneDNNLinear(nn.Module):
+    """oneDNN's GEMM on its reordered weight, the one copy kept (the plain one is dropped)."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        # The plain weight stays the parameter (tied embeddings, parameter counts).
-        self.weight, self.bias = linear.weight, linear.bias
-        self.reordered = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        self.bias = getattr(linear, "bias", None)  # a ParallelLMHead has none
+        self.n, self.k = linear.weight.shape
+        self.reordered = reorder(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.reordered, self.bias, "none", [], "")
+        return onednn_gemm(x, self.reordered, self.bias)
 
 
 class CLinear(nn.Module):
     """A C GEMM of the library, `function`(x, w, bias, y, N, M, K[, bf16]), on `layout` (the
-    weight as the kernel reads it), up to `max_rows` rows (None: any); oneDNN beyond."""
+    weight as the kernel reads it, the module's only copy), up to `max_rows` rows (None: any);
+    `library` beyond, reading the same tensor."""
 
     kernel: str  # plan.GEMM_KINDS' name
     function: str
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL, max_rows: int | None = None) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.max_rows = max_rows
-        self.onednn = None if max_rows is None else OneDNNLinear(linear)
+        self.bias, self.max_rows = getattr(linear, "bias", None), max_rows  # lm_head: none
         self.n, self.k = linear.weight.shape
         self.dtype = linear.weight.dtype
-        self.layout = self.lay_out(linear.weight.detach())
+        self.layout = self.lay_out(linear.weight.detach(), lib)
         # Read once here, not per call: a parameter's lookup through nn.Module is slow next to
         # a small GEMM, and a step makes a few hundred calls.
-        self.gemm, self.w_ptr = getattr(lib, self.function), self.layout.data_ptr()
+        self.gemm, self.w_ptr = getattr(lib, self.function), self.layout_ptr()
         self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self.flag = (self.dtype == torch.bfloat16,) if self.kernel == "panels" else ()
 
-    def lay_out(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.contiguous()  # the plain weight (the parameter itself, unless strided)
+    def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+        return weight.contiguous()  # the plain weight (the parameter's memory, unless strided)
+
+    def layout_ptr(self) -> int:
+        return self.layout.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.numel() > self.max_rows * self.k:
-            return self.onednn.forward(x)  # not through nn.Module's __call__: ~150 calls a step
+        if self.max_rows is not None and x.numel() > self.max_rows * self.k:
+            return self.library(x)
         return kernels.c_gemm(x, self, self.dtype, self.w_ptr, *self.flag)
+
+    def library(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows beyond max_rows: oneDNN on the plain weight (the plan hands over only where
+        oneDNN runs this dtype)."""
+        return onednn_gemm(x, self.layout, self.bias)
 
 
 class PanelsLinear(CLinear):
     kernel, function = "panels", "linear_panels"
 
-    def lay_out(self, weight: torch.Tensor) -> torch.Tensor:
+    def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
         n, k = weight.shape  # [N, K] -> [N / 16, K, 16]
         return weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
+
+    def library(self, x: torch.Tensor) -> torch.Tensor:
+        """Each panel is a [K, 16] matrix: one batched GEMM over the N / 16 of them."""
+        rows = x.reshape(-1, self.k).to(self.dtype)
+        y = torch.matmul(rows, self.layout).transpose(0, 1).reshape(rows.shape[0], self.n)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.n)
 
 
 class DotFp32Linear(CLinear):
@@ -79,18 +117,53 @@ class DotFp32Linear(CLinear):
 
 
 class Dpbf16Linear(CLinear):
+    """dpbf16 on the plain weight; where it hands over to oneDNN (max_rows) and the shape allows,
+    on oneDNN's reordered weight instead (csrc/dpbf16.c's linear_dpbf16_blocked), which oneDNN
+    then reads beyond max_rows: one copy, and oneDNN at its packed speed."""
+
     kernel, function = "dpbf16", "linear_dpbf16"
+
+    def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+        if self.max_rows is not None and hasattr(lib, "linear_dpbf16_blocked"):
+            blocked = reorder(weight)
+            if is_blocked_64(blocked, weight):
+                self.kernel, self.function = "dpbf16_blocked", "linear_dpbf16_blocked"
+                return blocked
+        return super().lay_out(weight, lib)
+
+    def layout_ptr(self) -> int:
+        blocked = self.kernel == "dpbf16_blocked"
+        return torch.ops.mkldnn.data_ptr(self.layout) if blocked else self.layout.data_ptr()
+
+
+def is_blocked_64(blocked: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether oneDNN laid bf16 `weight` [N, K] out as csrc/dpbf16.c's blocked GEMM reads it,
+    [N / 64][K / 2][64][2] with no padding: its choice depends on the CPU and the shape, so it is
+    checked on column blocks of the weight itself (the first, the last and some between)."""
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or n % 64 or k % 2
+            or torch.ops.mkldnn._nbytes(blocked) != n * k * 2):
+        return False
+    memory = (ctypes.c_char * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(blocked))
+    view = torch.frombuffer(memory, dtype=torch.bfloat16).view(n // 64, k // 2, 64, 2)
+    plain = weight.view(n // 64, 64, k // 2, 2)
+    picks = sorted({0, n // 64 - 1, *range(0, n // 64, max(1, n // 64 // 8))})
+    return all(torch.equal(view[b].transpose(0, 1), plain[b]) for b in picks)
 
 
 class AmxLinear(CLinear):
     kernel, function = "amx", "linear_amx"
 
-    def lay_out(self, weight: torch.Tensor) -> torch.Tensor:
+    def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or n % 16 or k % 32:
             raise ValueError(f"the AMX GEMM takes bf16 weights with N % 16 == 0 and K % 32 == 0, "
                              f"not {weight.dtype} [{n}, {k}]")
         return pack_tiles(weight)
+
+    def library(self, x: torch.Tensor) -> torch.Tensor:
+        """No library reads the tiles' order: the tile GEMM itself, one pass per 64 rows."""
+        return kernels.c_gemm(x, self, self.dtype, self.w_ptr)
 
 
 def amx_fits(linear: nn.Linear) -> bool:
@@ -142,25 +215,35 @@ class AllReducedLinear(nn.Module):
 def replace_linears(model: nn.Module, lib: ctypes.CDLL | None,
                     machine: plan.Machine | None = None) -> None:
     """Replace every CPU nn.Linear of `model` by the module of the GEMM plan.gemm gives it; a
-    row-parallel one of several ranks keeps its all-reduce around it (AllReducedLinear)."""
+    row-parallel one of several ranks keeps its all-reduce around it (AllReducedLinear). One at
+    a time, each plain weight freed (unless tied) before the next is laid out: the peak is one
+    linear above the model, not a second model."""
     machine = machine or plan.Machine.probe(lib)
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            head = isinstance(child, ParallelLMHead)
-            if not isinstance(child, nn.Linear) and not head or child.weight.device.type != "cpu":
-                continue
-            parallel = isinstance(child, RowParallelLinear) and child.tp_size > 1
-            n, k = child.weight.shape
-            g = plan.gemm(machine, child.weight.dtype, n, k)
-            if g.kernel not in MODULES and g.kernel != "onednn":
-                continue
-            if parallel and child.tp_rank > 0:
-                child.bias = None  # the bias is added once, by rank 0 (as RowParallelLinear)
-            linear = SimpleNamespace(weight=child.weight, bias=None) if head else child
-            if g.kernel in MODULES:
-                new = MODULES[g.kernel](linear, lib, g.max_rows)
-            else:
-                new = OneDNNLinear(linear)
-            if head:
-                new = GatheredLMHead(child, new)
-            setattr(module, name, AllReducedLinear(new) if parallel else new)
+    targets = [(module, name) for module in model.modules()  # parents, not the linears: a
+               for name, child in module.named_children()    # list of those would keep every
+               if isinstance(child, (nn.Linear, ParallelLMHead))  # plain weight to the end
+               and child.weight.device.type == "cpu"]
+    for module, name in targets:
+        replace_linear(module, name, lib, machine)
+
+
+def replace_linear(module: nn.Module, name: str, lib: ctypes.CDLL | None,
+                   machine: plan.Machine) -> None:
+    """module.<name> by its GEMM's module, which keeps the one layout it reads."""
+    child = getattr(module, name)
+    head = isinstance(child, ParallelLMHead)
+    parallel = isinstance(child, RowParallelLinear) and child.tp_size > 1
+    n, k = child.weight.shape
+    g = plan.gemm(machine, child.weight.dtype, n, k)
+    if g.kernel not in MODULES and g.kernel != "onednn":
+        return
+    if parallel and child.tp_rank > 0:
+        child.bias = None  # the bias is added once, by rank 0 (as RowParallelLinear)
+    if g.kernel in MODULES:
+        new = MODULES[g.kernel](child, lib, g.max_rows)
+    else:
+        new = OneDNNLinear(child)
+    if head:
+        child.weight = None  # it only gathers now; its weight lives on in `new`'s layout
+        new = GatheredLMHead(child, new)
+    setattr(module, name, AllReducedLinear(new) if parallel else new)

@@ -26,7 +26,8 @@ DOT_FP32_MAX_ROWS = 95  # fp32 dot products: memory-bound to ~9 rows, level with
 PANELS_MAX_ROWS = 63  # fp32 packed panels, where AVX-512 oneDNN measured faster from 64 rows
 DPBF16_MAX_ROWS = 7  # AVX512-BF16 dot products: clearly faster at 1-4 rows, level at 6-7
 AMX_MAX_ROWS = 64  # AMX tiles: one pass over the weights serves up to 64 rows
-GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3}  # csrc/layer.c's enum gemm
+# csrc/layer.c's enum gemm; "dpbf16_blocked": dpbf16 on oneDNN's reordered weight (linear.py)
+GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3, "dpbf16_blocked": 4}
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def onednn_runs(dtype: torch.dtype) -> bool:
 class Gemm:
     kernel: str  # "panels", "dot_fp32", "dpbf16", "amx" (C), "onednn", or "torch" (nn.Linear)
     max_rows: int | None = None  # the kernel takes up to this many rows (None: any number)
-    beyond: str | None = None  # who takes more: "onednn"
+    beyond: str | None = None  # who takes more: "onednn", or "amx passes" (64 rows each)
 
     def describe(self) -> str:
         return self.kernel + ("" if self.max_rows is None else
@@ -79,7 +80,8 @@ def gemm(m: Machine, dtype: torch.dtype, n: int, k: int) -> Gemm:
         return handing_over("dot_fp32", DOT_FP32_MAX_ROWS)
     if dtype == torch.bfloat16 and native_bf16:
         if "amx" in m.kernels and "amx_bf16" in m.flags and n % 16 == 0 and k % 32 == 0:
-            return handing_over("amx", AMX_MAX_ROWS)
+            # Beyond: the tile GEMM's own passes, on the one packed weight (linear.py).
+            return Gemm("amx", AMX_MAX_ROWS, "amx passes")
         if "dpbf16" in m.kernels and "avx512_bf16" in m.flags:
             return handing_over("dpbf16", DPBF16_MAX_ROWS)
         if onednn:

@@ -27,13 +27,16 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
 #endif
 #ifdef __AVX512BF16__
 void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
+void linear_dpbf16_blocked(const void* x, const void* w, const void* bias, void* y, int N, int M,
+                           int K);
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
 #endif
 
 /* Which C GEMM a linear takes: plan.GEMM_KINDS (a test holds the two equal). */
-enum { GEMM_PANELS = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3 };
+enum { GEMM_PANELS = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3,
+       GEMM_DPBF16_BLOCKED = 4 };
 
 struct gemm {
   const void* w;    /* the module's weight in its kernel's layout */
@@ -59,6 +62,9 @@ static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
 #endif
 #ifdef __AVX512BF16__
     case GEMM_DPBF16: linear_dpbf16(x, g->w, g->bias, y, g->n, M, g->k); return 0;
+    case GEMM_DPBF16_BLOCKED:
+      linear_dpbf16_blocked(x, g->w, g->bias, y, g->n, M, g->k);
+      return 0;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     case GEMM_AMX: linear_amx(x, g->w, g->bias, y, g->n, M, g->k); return 0;

@@ -3,6 +3,8 @@
 nn.Linear computes, in fp32 and bf16; which one a CPU gets, and dtype="auto", follow the CPU
 probe (faked here for each kind of CPU)."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -97,8 +99,8 @@ def test_dpbf16_linear_hands_larger_batches_to_onednn():
     linear = nn.Linear(40, 32).requires_grad_(False).to(torch.bfloat16)
     module = Dpbf16Linear(linear, LIB, DPBF16_MAX_ROWS)
     handed = []
-    onednn_forward = module.onednn.forward
-    module.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
+    library = module.library
+    module.library = lambda x: handed.append(x.shape[0]) or library(x)
     with torch.inference_mode():
         for rows in (DPBF16_MAX_ROWS, DPBF16_MAX_ROWS + 1):
             x = torch.randn(rows, 40).to(torch.bfloat16)
@@ -219,15 +221,54 @@ def test_fp32_hands_large_batches_to_onednn_where_the_cpu_has_avx512(fake_cpu, k
     model = nn.Sequential(linear)
     replace_linears(model, LibBuiltFor(False))
     packed = model[0]
-    assert type(packed) is PanelsLinear and (packed.onednn is not None) == (kind == "amx")
+    assert type(packed) is PanelsLinear
+    assert packed.max_rows == (PANELS_MAX_ROWS if kind == "amx" else None)
     handed = []
-    if packed.onednn is not None:
-        onednn_forward = packed.onednn.forward
-        packed.onednn.forward = lambda x: handed.append(x.shape[0]) or onednn_forward(x)
+    library = packed.library
+    packed.library = lambda x: handed.append(x.shape[0]) or library(x)
     with torch.inference_mode():
         for rows in (PANELS_MAX_ROWS, PANELS_MAX_ROWS + 1):
             x = torch.randn(rows, 40)
             torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
     assert handed == ([PANELS_MAX_ROWS + 1] if kind == "amx" else [])
     bf16 = PanelsLinear(nn.Linear(40, 32).to(torch.bfloat16), LIB)
-    assert bf16.onednn is None  # bf16 without native units: the C GEMM at every size
+    assert bf16.max_rows is None  # bf16 without native units: the C GEMM at every size
+
+
+def weight_bytes_held(module: nn.Module) -> int:
+    """The bytes of every tensor `module` references (its parameters, buffers and tensor
+    attributes, oneDNN's opaque ones by their size), the bias left out."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers(),
+                                  *(v for v in vars(module).values() if torch.is_tensor(v))]
+               if t is not getattr(module, "bias", None)}
+    return sum(torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.untyped_storage().nbytes()
+               for t in tensors.values())
+
+
+@pytest.mark.parametrize("kind", ["avx2", "avx512_bf16", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replaced_linear_holds_its_weight_once(fake_cpu, kind, dtype):
+    """Issue 37: one layout per linear, the plain parameter freed where another layout replaced
+    it, and the same values as nn.Linear at and beyond the C GEMM's row limit."""
+    fake_cpu(kind)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 192, bias=True)).requires_grad_(False).to(dtype)
+    plain = nn.Linear(128, 192).requires_grad_(False).to(dtype)
+    plain.load_state_dict(model[0].state_dict())
+    gone, plain_memory = weakref.ref(model[0].weight), model[0].weight.data_ptr()
+    replace_linears(model, LIB)
+    module = model[0]
+    assert weight_bytes_held(module) == 192 * 128 * dtype.itemsize, type(module)
+    if type(module) is nn.Linear:
+        return  # no fast path for this dtype here
+    layout = getattr(module, "layout", None)
+    if layout is not None and not layout.is_mkldnn and layout.shape == (192, 128):
+        assert layout.data_ptr() == plain_memory  # the kernel reads the parameter's memory
+    else:
+        assert gone() is None  # another layout replaced it: the parameter is freed
+    limit = getattr(module, "max_rows", None) or 16
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for rows in (1, limit, limit + 1, limit + 70):
+            x = torch.randn(rows, 128).to(dtype)
+            torch.testing.assert_close(module(x), plain(x), atol=tol, rtol=tol)
