@@ -47,7 +47,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
     tied = getattr(model.config, "tie_word_embeddings", False)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            names = f.keys()
+        for name in names:  # the file mapped for one tensor at a time: its pages leave with it
+            with safe_open(str(file), framework="pt", device="cpu") as f:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # older checkpoints save RoPE frequencies; we compute them
                 if tied and name == "lm_head.weight":
