@@ -8,7 +8,9 @@ needs ~2 x params FLOPs per row, so at 64 rows the best possible step is
 64 x 2 x params / (GEMM FLOP/s). "% of roofline" compares it with the median step, and with
 the best step (best against best: on a VM whose speed drifts, both are its fast moments). The
 last column times that fastest GEMM again between the steps and compares medians: the step
-against the machine's rate in the same moments.
+against the machine's rate in the same moments. "opt / read bound": the median step over the
+time to read the weights once at the memory's best read rate (issue 37's target for one row:
+at most 1.15).
 
 The llama.cpp columns: the same rows, dtype and context on llama.cpp (the same weights as GGUF,
 benchmarks/llamacpp_worker.py's step mode: one llama_decode of an R-token batch plus the argmax,
@@ -125,16 +127,17 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
 
 
 def weight_stream_ms(weight_bytes: int, repeats: int = 10) -> tuple[float, float]:
-    """(ms to stream the weights once, copy GB/s): the memory's rate from the best of `repeats`
-    copies of a 256 MB buffer (bytes read + written per second), the one-row step's bound."""
+    """(ms to read the weights once, read GB/s): the memory's rate from the best of `repeats`
+    reads (a sum, on every thread) of a 256 MB buffer, far past the caches: the one-row step's
+    bound, as the step reads each weight once. (A copy moves twice the bytes, and a write costs
+    more than a read: its rate understates the bound.)"""
     src = torch.ones(64 << 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - t)
-    rate = 2 * src.numel() * src.element_size() / best
+    rate = src.numel() * src.element_size() / best
     return weight_bytes / rate * 1e3, rate / 1e9
 
 
@@ -188,7 +191,7 @@ def main() -> None:
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
     header = ("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
               "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |"
-              " llama.cpp ms | best llama.cpp ms | opt/llama.cpp |")
+              " llama.cpp ms | best llama.cpp ms | opt/llama.cpp | opt / read bound |")
     for dtype in args.dtypes.split(","):
         peer = llama_steps(dtype, rows_list, args)
         print(header, "|---" * header.count("|", 1) + "|", sep="\n")
@@ -198,7 +201,7 @@ def main() -> None:
         first = runners["optimized"]
         params = sum(p.numel() for p in first.model.parameters()) * tp  # (a rank's shard)
         weight_bytes = params * first.dtype.itemsize
-        stream_ms, copy_rate = weight_stream_ms(weight_bytes)
+        stream_ms, read_rate = weight_stream_ms(weight_bytes)
         gflops, gemm, gemm_flops = gemm_gflops(first.dtype, clock)
         # Under TP this process is rank 0, on its share of the cores: the machine's GEMM rate,
         # the roofline's, is that of all ranks at once.
@@ -230,12 +233,12 @@ def main() -> None:
             print(f"| {dtype} | {rows} | {eager_ms} | {opt:.1f} | {ratio} | "
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
-                  f"{peer_cols} |")
+                  f"{peer_cols} | {opt / stream_ms:.2f} |")
         for runner in runners.values():
             runner.shutdown()
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
               f"{gflops * 1e9 / (2 * params):.0f} tok/s; weight-streaming bound: "
-              f"{weight_bytes / 1e6:.0f} MB of weights at {copy_rate:.1f} GB/s (best copy) = "
+              f"{weight_bytes / 1e6:.0f} MB of weights at {read_rate:.1f} GB/s (best read) = "
               f"{stream_ms:.1f} ms per step)")
 
 
