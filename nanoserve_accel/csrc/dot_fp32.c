@@ -87,12 +87,9 @@ static inline __attribute__((always_inline)) void dot_columns(
   for (int b = 0, m0 = 0, rows; b < blocks; ++b, m0 += rows) {
     rows = M / blocks + (b < M % blocks);
     const int first = b == 0;
-    if (rows == 1) dot_block(x, w, bias, y, N, K, m0, n0, 1, NC, first);
-    else if (rows == 2) dot_block(x, w, bias, y, N, K, m0, n0, 2, NC, first);
-    else if (rows == 3) dot_block(x, w, bias, y, N, K, m0, n0, 3, NC, first);
-    else if (rows == 4) dot_block(x, w, bias, y, N, K, m0, n0, 4, NC, first);
-    else if (rows == 5) dot_block(x, w, bias, y, N, K, m0, n0, 5, NC, first);
-    else dot_block(x, w, bias, y, N, K, m0, n0, 6, NC, first);
+#define DOT_BLOCK(R) dot_block(x, w, bias, y, N, K, m0, n0, R, NC, first)
+    BY_ROWS(rows, MAX_ROWS, DOT_BLOCK);
+#undef DOT_BLOCK
   }
 }
 

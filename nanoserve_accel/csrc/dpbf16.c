@@ -85,15 +85,9 @@ void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int 
   for (int g = 0; g < groups; ++g)
     for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-      /* One branch per row count: ROWS a constant in each inlined copy. */
-      if (rows == 1) dot_block(x, w, bias, y, N, K, m0, g * COLS, 1);
-      else if (rows == 2) dot_block(x, w, bias, y, N, K, m0, g * COLS, 2);
-      else if (rows == 3) dot_block(x, w, bias, y, N, K, m0, g * COLS, 3);
-      else if (rows == 4) dot_block(x, w, bias, y, N, K, m0, g * COLS, 4);
-      else if (rows == 5) dot_block(x, w, bias, y, N, K, m0, g * COLS, 5);
-      else if (rows == 6) dot_block(x, w, bias, y, N, K, m0, g * COLS, 6);
-      else if (rows == 7) dot_block(x, w, bias, y, N, K, m0, g * COLS, 7);
-      else dot_block(x, w, bias, y, N, K, m0, g * COLS, 8);
+#define DOT_BLOCK(R) dot_block(x, w, bias, y, N, K, m0, g * COLS, R)
+      BY_ROWS(rows, MAX_ROWS, DOT_BLOCK);
+#undef DOT_BLOCK
     }
   for (int n = groups * COLS; n < N; ++n) dot_column(x, w, bias, y, N, M, K, n);
 }
@@ -159,13 +153,9 @@ void linear_dpbf16_blocked(const void* x, const void* w, const void* bias, void*
     const uint16_t* wb = (const uint16_t*)w + (int64_t)b * BLOCK_COLS * K;
     for (int m0 = 0; m0 < M; m0 += BLOCKED_ROWS) {
       const int rows = M - m0 < BLOCKED_ROWS ? M - m0 : BLOCKED_ROWS;
-      if (rows == 1) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 1);
-      else if (rows == 2) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 2);
-      else if (rows == 3) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 3);
-      else if (rows == 4) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 4);
-      else if (rows == 5) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 5);
-      else if (rows == 6) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 6);
-      else blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, 7);
+#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, b * BLOCK_COLS, R)
+      BY_ROWS(rows, BLOCKED_ROWS, BLOCKED);
+#undef BLOCKED
     }
   }
 }

@@ -15,6 +15,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* CALL(R) with R a compile-time constant equal to `rows` (1 <= rows <= most <= 8): a GEMM kernel
+ * inlined once per row count keeps its accumulators for exactly that many rows in registers. */
+#define MIN_ROWS(r, most) ((r) < (most) ? (r) : (most))
+#define BY_ROWS(rows, most, CALL)                                                        \
+  do {                                                                                   \
+    switch (rows) {                                                                      \
+      case 1: CALL(1); break;                                                            \
+      case 2: CALL(MIN_ROWS(2, most)); break;                                            \
+      case 3: CALL(MIN_ROWS(3, most)); break;                                            \
+      case 4: CALL(MIN_ROWS(4, most)); break;                                            \
+      case 5: CALL(MIN_ROWS(5, most)); break;                                            \
+      case 6: CALL(MIN_ROWS(6, most)); break;                                            \
+      case 7: CALL(MIN_ROWS(7, most)); break;                                            \
+      default: CALL(most);                                                               \
+    }                                                                                    \
+  } while (0)
+
 static inline float load(const void* p, int64_t i, int bf16) {
   if (!bf16) return ((const float*)p)[i];
   uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16; /* bf16 = a float's top half */
