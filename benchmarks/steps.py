@@ -52,7 +52,7 @@ def measure_batching(model_dir: str, dtype: str = "float32", rows: tuple[int, ..
     llm = make_llm(model_dir, dtype, max_num_seqs=width,
                    max_num_batched_tokens=width * prompt_len,
                    max_model_len=prompt_len + num_steps + 8)
-    weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+    weights = llm.model_runner.weight_bytes  # counted as loaded (a fast path re-lays them out)
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
     table = []
     for n in rows:

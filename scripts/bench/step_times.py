@@ -199,8 +199,9 @@ def main() -> None:
         runners = {name: make_runner(args.model, dtype, max(rows_list), args.context,
                                      args.block_size, fast, tp) for name, fast in variants}
         first = runners["optimized"]
-        params = sum(p.numel() for p in first.model.parameters()) * tp  # (a rank's shard)
-        weight_bytes = params * first.dtype.itemsize
+        # As loaded (a fast path re-lays the weights out, not all as parameters); x a rank's shard.
+        weight_bytes = first.weight_bytes * tp
+        params = weight_bytes // first.dtype.itemsize
         stream_ms, read_rate = weight_stream_ms(weight_bytes)
         gflops, gemm, gemm_flops = gemm_gflops(first.dtype, clock)
         # Under TP this process is rank 0, on its share of the cores: the machine's GEMM rate,
