@@ -6,6 +6,8 @@
 # the C++ build. Idempotent: what is already there is kept; never run by `make run`/`make test`.
 #
 #   bash scripts/bench/setup_llamacpp.sh            # from the repository root
+#   MODEL_DIR=/tmp/models/llama-3.2-1b bash scripts/bench/setup_llamacpp.sh
+#       # also convert another HF directory (e.g. scripts/bench/make_model.py's)
 #
 # The recipe: torch pinned to 2.13.0 (the CPU wheel; the converter imports torch, and an
 # unpinned one would pull a multi-GB CUDA build), the llama-cpp-python sdist (its
@@ -28,7 +30,7 @@ TREE="$SRC/llama_cpp_python-$LLAMACPP_VERSION"
 if [ ! -f .venv/.installed ]; then
     make .venv/.installed
 fi
-MODEL_DIR=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import default_model_dir; print(default_model_dir())")
+MODEL_DIR=${MODEL_DIR:-$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import default_model_dir; print(default_model_dir())")}
 GGUF_DIR=$(.venv/bin/python -c "from nanoserve.entrypoints.bundled import cache_root; print(cache_root() / 'gguf')")
 NAME=$(basename "$MODEL_DIR")
 # The converter reads that directory with transformers: the version that wrote it (nanoserve's;

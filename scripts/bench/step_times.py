@@ -10,7 +10,9 @@ the best step (best against best: on a VM whose speed drifts, both are its fast 
 last column times that fastest GEMM again between the steps and compares medians: the step
 against the machine's rate in the same moments. "opt / read bound": the median step over the
 time to read the weights once at the memory's best read rate (issue 37's target for one row:
-at most 1.15).
+at most 1.15); "opt / read between": the same read, timed between the steps as the GEMM is, so
+the median step over the median read in the same moments (this VM's memory rate drifts 40-77
+GB/s within minutes, and a best read from before the steps may belong to another moment).
 
 The llama.cpp columns: the same rows, dtype and context on llama.cpp (the same weights as GGUF,
 benchmarks/llamacpp_worker.py's step mode: one llama_decode of an R-token batch plus the argmax,
@@ -126,18 +128,20 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     return flops / best / 1e9, fastest, flops
 
 
+READ_BUFFER = torch.ones(64 << 20, dtype=torch.float32)  # 256 MB, far past the caches
+
+
 def weight_stream_ms(weight_bytes: int, repeats: int = 10) -> tuple[float, float]:
     """(ms to read the weights once, read GB/s): the memory's rate from the best of `repeats`
-    reads (a sum, on every thread) of a 256 MB buffer, far past the caches: the one-row step's
-    bound, as the step reads each weight once. (A copy moves twice the bytes, and a write costs
-    more than a read: its rate understates the bound.)"""
-    src = torch.ones(64 << 20, dtype=torch.float32)
+    reads (a sum, on every thread) of READ_BUFFER: the one-row step's bound, as the step reads
+    each weight once. (A copy moves twice the bytes, and a write costs more than a read: its
+    rate understates the bound.)"""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        src.sum()
+        READ_BUFFER.sum()
         best = min(best, time.perf_counter() - t)
-    rate = src.numel() * src.element_size() / best
+    rate = READ_BUFFER.numel() * READ_BUFFER.element_size() / best
     return weight_bytes / rate * 1e3, rate / 1e9
 
 
@@ -191,7 +195,8 @@ def main() -> None:
           f"{'CPU' if args.cpu_time else 'wall'} time, median of {args.steps} interleaved steps")
     header = ("| dtype | rows | eager ms | optimized ms | opt/eager | optimized tok/s | "
               "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |"
-              " llama.cpp ms | best llama.cpp ms | opt/llama.cpp | opt / read bound |")
+              " llama.cpp ms | best llama.cpp ms | opt/llama.cpp | opt / read bound |"
+              " opt / read between |")
     for dtype in args.dtypes.split(","):
         peer = llama_steps(dtype, rows_list, args)
         print(header, "|---" * header.count("|", 1) + "|", sep="\n")
@@ -209,12 +214,14 @@ def main() -> None:
         gflops, gemm_flops = gflops * tp, gemm_flops * tp
         for rows in rows_list:
             outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
-            times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm")}
+            times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm", "read")}
             for step in range(args.steps + 2):  # two warm-up steps
-                for name in (*runners, "gemm"):
+                for name in (*runners, "gemm", "read"):
                     t = clock()
                     if name == "gemm":
                         gemm()
+                    elif name == "read":
+                        READ_BUFFER.sum()
                     else:
                         runners[name].execute_model(outs[name])
                     if step >= 2:
@@ -226,6 +233,8 @@ def main() -> None:
             # The same GEMM, timed between the steps: the machine's rate in the same moments.
             gemm_s = statistics.median(times["gemm"])
             same_moments_ms = rows * 2 * params / gemm_flops * gemm_s * 1e3
+            read_between_ms = (weight_bytes / (READ_BUFFER.numel() * READ_BUFFER.element_size())
+                               * statistics.median(times["read"]) * 1e3)
             theirs = peer.get(str(rows))
             peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
                          f"{theirs['best_ms']:.1f} | {opt / theirs['median_ms']:.2f}")
@@ -234,7 +243,7 @@ def main() -> None:
             print(f"| {dtype} | {rows} | {eager_ms} | {opt:.1f} | {ratio} | "
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
-                  f"{peer_cols} | {opt / stream_ms:.2f} |")
+                  f"{peer_cols} | {opt / stream_ms:.2f} | {opt / read_between_ms:.2f} |")
         for runner in runners.values():
             runner.shutdown()
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
