@@ -132,12 +132,16 @@ static inline __attribute__((always_inline)) void weigh_values(
 
 static inline __attribute__((always_inline)) void decode_one(
     const char* q, const void* k_cache, const void* v_cache, const int64_t* offsets, int L,
-    char* out, int H, int Hkv, const int D, float scale, const int bf16, float* scores) {
+    char* out, int H, int Hkv, const int D, float scale, const int bf16, float* scores,
+    int out_bf16, float* lse) {
   const int group = H / Hkv, most = D == 64 ? 4 : 2; /* heads per V pass: 16 accumulators */
   __m512 top[H];
   float sums[H], acc[H * D];
   score_keys(q, k_cache, offsets, L, H, group, D, bf16, scale, scores, top);
-  for (int h = 0; h < H; ++h) sums[h] = exp_scores(scores + (int64_t)h * L, L, top[h]);
+  for (int h = 0; h < H; ++h) {
+    sums[h] = exp_scores(scores + (int64_t)h * L, L, top[h]);
+    if (lse) lse[h] = _mm512_reduce_max_ps(top[h]) + logf(sums[h]);
+  }
   memset(acc, 0, sizeof acc);
   for (int t0 = 0; t0 < L; t0 += 16) { /* the V pass: rows front to back, as the K pass */
     const int n = L - t0 < 16 ? L - t0 : 16;
@@ -157,26 +161,30 @@ static inline __attribute__((always_inline)) void decode_one(
     for (int j = 0; j < D / 16; ++j)
       store16(out, (int64_t)h * D + j * 16,
               _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + j * 16), _mm512_set1_ps(1.f / sums[h])),
-              bf16);
+              out_bf16);
 }
 #endif
 
 /* Request b's attention if this build and head size take it (returns 1), else 0. q and out:
- * its [H, D] rows; offsets: where each of its L tokens' rows starts in either cache; scores:
- * room for [H, L] floats. */
+ * its [H, D] rows (out in bf16 or float32, out_bf16); offsets: where each of its L tokens'
+ * rows starts in either cache; scores: room for [H, L] floats; lse: NULL, or room for each
+ * head's log(sum of e^score). */
 int decode_request_wide(const void* q, const void* k_cache, const void* v_cache,
                         const int64_t* offsets, int L, void* out, int H, int Hkv, int D,
-                        float scale, int bf16, float* scores) {
+                        float scale, int bf16, float* scores, int out_bf16, float* lse) {
 #ifdef __AVX512F__
-  if (D == 64 && bf16) decode_one(q, k_cache, v_cache, offsets, L, out, H, Hkv, 64, scale, 1, scores);
-  else if (D == 64) decode_one(q, k_cache, v_cache, offsets, L, out, H, Hkv, 64, scale, 0, scores);
-  else if (D == 128 && bf16) decode_one(q, k_cache, v_cache, offsets, L, out, H, Hkv, 128, scale, 1, scores);
-  else if (D == 128) decode_one(q, k_cache, v_cache, offsets, L, out, H, Hkv, 128, scale, 0, scores);
+#define ONE(d, b) decode_one(q, k_cache, v_cache, offsets, L, out, H, Hkv, d, scale, b, scores, \
+                             out_bf16, lse)
+  if (D == 64 && bf16) ONE(64, 1);
+  else if (D == 64) ONE(64, 0);
+  else if (D == 128 && bf16) ONE(128, 1);
+  else if (D == 128) ONE(128, 0);
   else return 0;
+#undef ONE
   return 1;
 #else
   (void)q, (void)k_cache, (void)v_cache, (void)offsets, (void)L, (void)out, (void)H, (void)Hkv;
-  (void)D, (void)scale, (void)bf16, (void)scores;
+  (void)D, (void)scale, (void)bf16, (void)scores, (void)out_bf16, (void)lse;
   return 0;
 #endif
 }

@@ -135,8 +135,9 @@ static inline __m256i bf16x16(__m512 x) {
 }
 #endif
 
-/* Scores s[0 .. L-1] -> their softmax, in place. */
-static inline void softmax(float* s, int L) {
+/* Scores s[0 .. L-1] -> their softmax, in place; returns log(sum of e^s), which merges the
+ * softmaxes of a split request's parts (attention.c). */
+static inline float softmax(float* s, int L) {
   float m = -INFINITY, sum = 0.f;
   for (int t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd
@@ -144,8 +145,9 @@ static inline void softmax(float* s, int L) {
 #pragma omp simd reduction(+ : sum)
   for (int t = 0; t < L; ++t) sum += s[t];
   for (int t = 0; t < L; ++t) s[t] /= sum;
+  return m + logf(sum);
 }
 
 int decode_request_wide(const void* q, const void* k_cache, const void* v_cache,
                         const int64_t* offsets, int L, void* out, int H, int Hkv, int D,
-                        float scale, int bf16, float* scores);
+                        float scale, int bf16, float* scores, int out_bf16, float* lse);

@@ -72,6 +72,23 @@ def test_kernel_matches_naive_attention_bf16(head_dim, group):
     torch.testing.assert_close(got, case.expected(), atol=2e-2, rtol=2e-2)
 
 
+# Longer than attention.c's SPLIT (512 tokens): split into parts, one task each, then merged.
+LONG_LENS = [(1100, 1), (513, 1), (512, 1), (1537, 1), (7, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 1), (24, 3)])
+def test_a_long_request_is_split_merged_and_alone_the_same(dtype, head_dim, group):
+    case = poisoned_case(LONG_LENS, 16, group, head_dim, dtype, seed=head_dim)
+    got = run(case)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, case.expected(), atol=tol, rtol=tol)
+    for i in (0, 3):  # alone, a split request gets the bits it gets beside the others
+        alone = run(case, q=case.q[i:i + 1].unsqueeze(1), block_table=case.block_table[i:i + 1],
+                    cache_seqlens=torch.tensor([case.lens[i][0]], dtype=torch.int32))
+        assert torch.equal(alone[0], got[i])
+
+
 @pytest.mark.parametrize("q_scale", [0.0, 300.0])
 def test_softmax_of_equal_and_of_far_apart_scores(q_scale):
     """q = 0: every key weighs the same; q x 300: scores hundreds apart, most e^x underflow
