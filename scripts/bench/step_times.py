@@ -9,10 +9,11 @@ needs ~2 x params FLOPs per row, so at 64 rows the best possible step is
 the best step (best against best: on a VM whose speed drifts, both are its fast moments). The
 last column times that fastest GEMM again between the steps and compares medians: the step
 against the machine's rate in the same moments. "opt / read bound": the median step over the
-time to read the weights once at the memory's best read rate (issue 37's target for one row:
-at most 1.15); "opt / read between": the same read, timed between the steps as the GEMM is, so
-the median step over the median read in the same moments (this VM's memory rate drifts 40-77
-GB/s within minutes, and a best read from before the steps may belong to another moment).
+time to read the weights and the rows' KV once at the memory's best read rate (issue 37's target
+for one row: at most 1.15; the KV matters at a long --context); "opt / read between": the same
+read, timed between the steps as the GEMM is, so the median step over the median read in the
+same moments (this VM's memory rate drifts 40-77 GB/s within minutes, and a best read from
+before the steps may belong to another moment).
 
 The llama.cpp columns: the same rows, dtype and context on llama.cpp (the same weights as GGUF,
 benchmarks/llamacpp_worker.py's step mode: one llama_decode of an R-token batch plus the argmax,
@@ -24,6 +25,9 @@ without it the columns show "-" and one line says so.
     python scripts/bench/step_times.py --dtypes float32 --rows 16 --steps 30
     python scripts/bench/step_times.py --cpu-time --threads 1  # on a shared, busy machine
     python scripts/bench/step_times.py --model DIR              # e.g. scripts/bench/make_model.py's
+    python scripts/bench/step_times.py --rows 1 --rounds 3 --no-eager  # llama.cpp and nanoserve
+        # alternating: this VM's memory rate drifts between the two engines' runs
+    python scripts/bench/step_times.py --context 4096 --rows 1,16  # long context: KV in the bound
     python scripts/bench/step_times.py --model DIR --tensor-parallel-size 2 --no-llamacpp
         # the optimized path on 2 ranks, each with its share of the cores (no eager column);
         # run it alternately with --tensor-parallel-size 1 to compare
@@ -177,6 +181,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time this thread's CPU time, not wall time (use with --threads 1)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every dtype's table this many times: runs that alternate")
+    ap.add_argument("--no-eager", action="store_true", help="leave out the eager column")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave out the llama.cpp columns")
     ap.add_argument("--model", default=None, help="HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -197,10 +204,11 @@ def main() -> None:
               "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |"
               " llama.cpp ms | best llama.cpp ms | opt/llama.cpp | opt / read bound |"
               " opt / read between |")
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes.split(",") * args.rounds:  # llama.cpp, then nanoserve, each round
         peer = llama_steps(dtype, rows_list, args)
         print(header, "|---" * header.count("|", 1) + "|", sep="\n")
-        variants = (("optimized", True),) if tp > 1 else (("eager", False), ("optimized", True))
+        variants = ((("optimized", True),) if tp > 1 or args.no_eager
+                    else (("eager", False), ("optimized", True)))
         runners = {name: make_runner(args.model, dtype, max(rows_list), args.context,
                                      args.block_size, fast, tp) for name, fast in variants}
         first = runners["optimized"]
@@ -208,6 +216,8 @@ def main() -> None:
         weight_bytes = first.weight_bytes * tp
         params = weight_bytes // first.dtype.itemsize
         stream_ms, read_rate = weight_stream_ms(weight_bytes)
+        # What a step reads besides the weights: each row's KV, `context` tokens of it.
+        kv_token_bytes = first.kv_bytes_per_block() * tp // first.block_size
         gflops, gemm, gemm_flops = gemm_gflops(first.dtype, clock)
         # Under TP this process is rank 0, on its share of the cores: the machine's GEMM rate,
         # the roofline's, is that of all ranks at once.
@@ -233,7 +243,9 @@ def main() -> None:
             # The same GEMM, timed between the steps: the machine's rate in the same moments.
             gemm_s = statistics.median(times["gemm"])
             same_moments_ms = rows * 2 * params / gemm_flops * gemm_s * 1e3
-            read_between_ms = (weight_bytes / (READ_BUFFER.numel() * READ_BUFFER.element_size())
+            step_bytes = weight_bytes + rows * args.context * kv_token_bytes
+            read_ms = step_bytes / weight_bytes * stream_ms
+            read_between_ms = (step_bytes / (READ_BUFFER.numel() * READ_BUFFER.element_size())
                                * statistics.median(times["read"]) * 1e3)
             theirs = peer.get(str(rows))
             peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
@@ -243,7 +255,7 @@ def main() -> None:
             print(f"| {dtype} | {rows} | {eager_ms} | {opt:.1f} | {ratio} | "
                   f"{rows / opt * 1e3:.0f} | {100 * roofline_ms / opt:.0f}% | {best:.1f} | "
                   f"{100 * roofline_ms / best:.0f}% | {100 * same_moments_ms / opt:.0f}% | "
-                  f"{peer_cols} | {opt / stream_ms:.2f} | {opt / read_between_ms:.2f} |")
+                  f"{peer_cols} | {opt / read_ms:.2f} | {opt / read_between_ms:.2f} |")
         for runner in runners.values():
             runner.shutdown()
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
