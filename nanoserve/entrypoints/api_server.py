@@ -3,7 +3,8 @@ forward, process, repeat"), with requests that really arrive while others run; t
 vLLM's entrypoints/openai: this file (the app), cli_args.py (the flags), protocol.py (the wire)
 and validation.py (its checks), one serving class per endpoint (serving_completion.py,
 serving_chat.py, sharing serving_engine.py), the engine thread that owns the `LLM`
-(engine_thread.py), and the HTTP layer's limits under it all (http_limits.py).
+(engine_thread.py), the HTTP layer's limits under it all (http_limits.py), and the helper
+process that checks big bodies first (body_checker.py).
 
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 
@@ -11,7 +12,8 @@ Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/mode
 /metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are {"error": {"message",
 "type", "param", "code"}}: 400 for a bad value (param names the field), 404 for an unknown
 model, 401 without the --api-key. Prompts are tokenized on tokenizer threads; the event
-loop only parses and writes JSON. Unknown fields are ignored, as in vLLM; fields nanoserve cannot
+loop only parses and writes JSON, and a body of 64 KiB or more it parses only once the helper
+found nothing to refuse in it. Unknown fields are ignored, as in vLLM; fields nanoserve cannot
 honour are a 400 (validation.py)."""
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
+from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.cli_args import engine_threads, http_limits, parse_args
 from nanoserve.entrypoints.engine_thread import EngineThread
@@ -40,7 +42,7 @@ from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
 from nanoserve.entrypoints.serving_engine import OpenAIServing
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
-from nanoserve.entrypoints.validation import MAX_DEPTH, check_json, longest_token
+from nanoserve.entrypoints.validation import longest_token, parse_json
 
 
 class Server:
@@ -54,6 +56,7 @@ class Server:
         longest = longest_token(self.llm.tokenizer)
         self.completion = OpenAIServingCompletion(engine, model_name, self.tokenizers, longest)
         self.chat = OpenAIServingChat(engine, model_name, self.tokenizers, longest)
+        self.bodies = BodyChecker(longest, self.max_model_len)
         self.app = FastAPI(lifespan=self.lifespan)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
@@ -64,9 +67,11 @@ class Server:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
         self.engine.loop = asyncio.get_running_loop()
+        await self.bodies.start()
         yield
         self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
         self.tokenizers.shutdown()
+        await self.bodies.close()
 
     def authorize(self, request: Request) -> None:
         """In constant time: how long the comparison takes says nothing of the key."""
@@ -106,7 +111,7 @@ class Server:
             if self.draining:
                 raise APIError("the server is shutting down", None, 503)
             self.authorize(request)
-            body = await self.read_body(request)
+            body = await self.read_body(request, serving)
         except APIError as e:
             return e.response()
         work = asyncio.ensure_future(serving.create(body))
@@ -123,8 +128,9 @@ class Server:
         except APIError as e:
             return e.response()
 
-    async def read_body(self, request: Request) -> dict:
-        """At most max_body_bytes, also without a Content-Length (a chunked upload)."""
+    async def read_body(self, request: Request, serving: OpenAIServing) -> dict:
+        """At most max_body_bytes, also without a Content-Length (a chunked upload); a big one
+        parsed only if the body checker accepts it."""
         too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
         size = request.headers.get("content-length", "0")
         if not size.isdigit() or int(size) > self.max_body_bytes:
@@ -139,16 +145,10 @@ class Server:
         except ClientDisconnect:  # gone before its body was read: nobody to answer, no log
             raise APIError("the client disconnected", None, 499) from None
         raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the body is not valid JSON: {e}") from None
-        except RecursionError:  # deeper than the parser's stack: check_json's 400, sooner
-            raise APIError(f"the body is nested more than {MAX_DEPTH} levels deep") from None
-        if not isinstance(body, dict):
-            raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
-        check_json(body, raw)
-        return body
+        if len(raw) >= BIG_BYTES and (
+                refusal := await self.bodies.refusal(raw, serving.endpoint)) is not None:
+            raise refusal
+        return parse_json(raw)
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,5 +1,6 @@
 """The wire side of the server: vLLM's request fields and defaults (entrypoints/openai/protocol.py),
-its error shape, its chat-message forms and its server-sent events."""
+its error shape, its prompts' forms (a completion's one prompt, chat messages) and its
+server-sent events."""
 
 from __future__ import annotations
 
@@ -91,6 +92,29 @@ def chat_message(message: dict) -> dict:
         raise APIError("messages must each have a string role and a text content, got "
                        f"{message!r:.200}", "messages")
     return {**message, "role": role, "content": content}
+
+
+def completion_prompt(req: CompletionRequest) -> Any:
+    """The one prompt of a completion request: text or token ids (a batch is a 400)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(f"prompt must be one prompt (batches are not supported), got "
+                           f"{len(prompt)}", "prompt")
+        prompt = prompt[0]
+    return prompt
+
+
+def completion_chars(prompt: Any) -> int:
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def chat_prompt(req: ChatCompletionRequest) -> list[dict]:
+    return [chat_message(m) for m in req.messages]
+
+
+def chat_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages)
 
 
 def sse(data: dict) -> str:

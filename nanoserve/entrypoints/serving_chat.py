@@ -6,22 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, chat_message
+from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
-from nanoserve.entrypoints.validation import NO_OP_CHAT
+from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
 
 
 class OpenAIServingChat(OpenAIServing):
-    request_model, prompt_field, no_op = ChatCompletionRequest, "messages", NO_OP_CHAT
+    endpoint = CHAT  # the prompt: the messages, each {"role", "content"} (protocol.py)
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
-
-    def prompt_of(self, req: ChatCompletionRequest) -> Any:
-        return [chat_message(m) for m in req.messages]
-
-    def num_chars(self, messages: Any) -> int:
-        return sum(len(m["content"]) for m in messages)
 
     def tokenize(self, tokenizer: Any, messages: Any) -> list[int]:
         try:

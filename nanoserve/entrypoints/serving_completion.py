@@ -5,28 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, CompletionRequest
+from nanoserve.entrypoints.protocol import CompletionRequest
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
-from nanoserve.entrypoints.validation import NO_OP_COMPLETION
+from nanoserve.entrypoints.validation import COMPLETION
 from nanoserve.layers.sampler import Logprob
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    request_model, prompt_field, no_op = CompletionRequest, "prompt", NO_OP_COMPLETION
+    endpoint = COMPLETION  # the prompt: text or token ids, or a list of one (protocol.py)
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
-
-    def prompt_of(self, req: CompletionRequest) -> Any:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(f"prompt must be one prompt (batches are not supported), got "
-                               f"{len(prompt)}", "prompt")
-            prompt = prompt[0]
-        return prompt
-
-    def num_chars(self, prompt: Any) -> int:
-        return len(prompt) if isinstance(prompt, str) else 0
 
     def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
         """Token ids pass through (the engine checks their range)."""

@@ -19,14 +19,13 @@ from nanoserve.entrypoints.engine_thread import Collector, EngineThread, Shuttin
 from nanoserve.entrypoints.outputs import CompletionOutput
 from nanoserve.entrypoints.protocol import (
     APIError,
-    SamplingRequest,
     error_event,
     param_of,
     sse,
     usage_of,
 )
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
-from nanoserve.entrypoints.validation import check_no_ops, check_stop, fewest_tokens, parse
+from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, check_request
 from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import RequestOutputKind
 
@@ -50,9 +49,7 @@ class Choice:
 
 
 class OpenAIServing:
-    request_model: type[SamplingRequest]
-    prompt_field: str  # the request's field that holds the prompt
-    no_op: dict[str, tuple]  # fields nanoserve cannot honour, and their values that change nothing
+    endpoint: Endpoint  # its request, prompt and checks (validation.py)
     object_name: str  # the response's "object"
     chunk_object: str  # a streamed chunk's
     id_prefix: str
@@ -64,13 +61,6 @@ class OpenAIServing:
         self.max_model_len = engine.llm.config.max_model_len
 
     # -- what the endpoints define -------------------------------------------------------
-
-    def prompt_of(self, req: Any) -> Any:
-        raise NotImplementedError
-
-    def num_chars(self, prompt: Any) -> int:
-        """The characters of the prompt's text (0 for token ids): its length bound."""
-        raise NotImplementedError
 
     def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
         """On a tokenizer thread, with that thread's tokenizer."""
@@ -98,9 +88,7 @@ class OpenAIServing:
 
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
-        check_no_ops(body, self.no_op)
-        check_stop(body.get("stop"), body.get("stop_token_ids"))
-        req = parse(self.request_model, body)
+        req = check_request(body, self.endpoint)
         params, prompt_ids = await self.to_engine_input(req)
         collector, streaming = Collector(), False
         self.engine.add(collector, prompt_ids, params)
@@ -110,8 +98,9 @@ class OpenAIServing:
                     raise APIError("the server is shutting down", None, 503)
                 if not isinstance(error, ValueError):
                     raise APIError(f"the engine failed to add the request: {error!r}", None, 500)
-                fields = set(self.request_model.model_fields)
-                raise APIError(str(error), param_of(str(error), fields, self.prompt_field))
+                fields = set(self.endpoint.request_model.model_fields)
+                raise APIError(str(error), param_of(str(error), fields,
+                                                    self.endpoint.prompt_field))
             head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                     "created": int(time.time()), "model": self.model_name}
             if req.stream:
@@ -169,18 +158,17 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=self.num_logprobs_of(req),
                 output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
-            field_name = param_of(str(e), set(type(req).model_fields), self.prompt_field)
+            field_name = param_of(str(e), set(type(req).model_fields),
+                                  self.endpoint.prompt_field)
             raise APIError(str(e), self.wire_name(field_name)) from None
-        prompt = self.prompt_of(req)
-        num_chars = self.num_chars(prompt)
-        if (fewest := fewest_tokens(num_chars, self.longest_token)) >= self.max_model_len:
-            raise APIError(f"{self.prompt_field} has {num_chars} characters, so at least "
-                           f"{fewest} tokens: this model's maximum context length is "
-                           f"{self.max_model_len} tokens", self.prompt_field)
+        prompt = self.endpoint.prompt_of(req)
+        num_chars = self.endpoint.num_chars(prompt)
+        check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
         ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
         if len(ids) >= self.max_model_len:
-            raise APIError(f"{self.prompt_field} has {len(ids)} tokens: this model's maximum "
-                           f"context length is {self.max_model_len} tokens", self.prompt_field)
+            raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this model's "
+                           f"maximum context length is {self.max_model_len} tokens",
+                           self.endpoint.prompt_field)
         if max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         elif len(ids) + max_tokens > self.max_model_len:

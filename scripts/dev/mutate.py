@@ -76,6 +76,8 @@ FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "tes
                                     SRV + "test_shutdown.py"],
               E + "serving_engine.py": [SRV + "test_forwarding.py", SRV + "test_validation.py"],
               E + "serving_completion.py": [SRV + "test_forwarding.py"],
+              E + "protocol.py": [SRV + "test_forwarding.py"],
+              E + "body_checker.py": [SRV + "test_body_checker.py"],
               E + "metrics.py": [SRV + "test_forwarding.py"],
               E + "validation.py": [SRV + "test_validation.py"],
               E + "http_limits.py": [SRV + "test_attacks.py"],
@@ -96,7 +98,7 @@ LAYER_C, LAYER = "nanoserve_accel/csrc/layer.c", "nanoserve_accel/layer.py"
 SERVE = "nanoserve/serve.py"
 EP = "nanoserve/entrypoints/"
 API, SERVING = EP + "api_server.py", EP + "serving_engine.py"
-COMPLETION = EP + "serving_completion.py"
+PROTOCOL = EP + "protocol.py"
 METRICS, DETOK, CHECKS = EP + "metrics.py", EP + "detokenizer.py", EP + "validation.py"
 LIMITS, ENGINE_THREAD = EP + "http_limits.py", EP + "engine_thread.py"
 PREFILL_C, PAGED = "nanoserve_accel/csrc/attention_prefill.c", "nanoserve_accel/paged_attention.py"
@@ -449,7 +451,7 @@ MUTANTS = [
            "if req.model != self.model_name:",
            "a request without `model` is answered 404",
            "vLLM: `model` may be left out"),
-    Mutant("server_prompt_list_of_text_refused", COMPLETION,
+    Mutant("server_prompt_list_of_text_refused", PROTOCOL,
            "isinstance(prompt[0], (str, list))", "isinstance(prompt[0], list)",
            'prompt: ["text"] is not taken as the prompt "text"',
            "OpenAI: a prompt may be a list of one"),
