@@ -9,7 +9,8 @@ decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of
 residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
 Only the C GEMMs of PanelsLinear and DotFp32Linear are replaced: where the fast path takes oneDNN
 (bf16 on native-bf16 CPUs, fp32 from 64 rows on AVX-512) or the dpbf16 GEMM, its GEMMs stay in
-"the rest"; use gemm_compare.py for those.
+"the rest"; use gemm_compare.py for those. Nor are those of a decode layer run as one C call
+(csrc/layer.c: every row decoding, up to the plan's rows), whose kernels stay in "the rest".
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 from step_times import decode_batch, make_runner  # noqa: E402
 
+from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.layers.attention import get_backend
 from nanoserve_accel import kernels, paged_attention
 from nanoserve_accel.linear import DotFp32Linear, PanelsLinear
@@ -49,6 +51,7 @@ def no_op_library(directory: str) -> ctypes.CDLL:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
@@ -58,7 +61,8 @@ def main() -> None:
     lib = kernels.compile_kernels()
     if lib is None:
         raise SystemExit("no C kernels here (no compiler): nothing to break down")
-    runner = make_runner(args.dtype, max(rows_list), 240, args.block_size)
+    runner = make_runner(args.model or default_model_dir(), args.dtype, max(rows_list), 240,
+                         args.block_size)
     twin = get_backend("torch")
     linears = [m for m in runner.model.modules() if isinstance(m, (PanelsLinear, DotFp32Linear))]
     with tempfile.TemporaryDirectory() as tmp:
