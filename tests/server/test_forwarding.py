@@ -73,9 +73,10 @@ def test_usage_is_streamed_only_when_asked(server):
     assert json.loads(got[-2][6:])["usage"]["completion_tokens"] == 2
 
 
-def stop_at_the_last_token(ref_llm, n: int) -> tuple[list[int], str, str]:
+def stop_at_the_last_token(ref_llm, n: int, spanning: bool) -> tuple[list[int], str, str]:
     """A prompt, its greedy n-token text, and a stop string that only the n-th token's text
-    completes (it occurs nowhere earlier)."""
+    completes (it occurs nowhere earlier): within that token's text, or (spanning) starting in
+    the text before it, so that its start was streamable a step before it was known."""
     rng = random.Random(3)
     for _ in range(50):
         prompt = rng.choices(range(3, VOCAB_SIZE), k=8)
@@ -83,14 +84,16 @@ def stop_at_the_last_token(ref_llm, n: int) -> tuple[list[int], str, str]:
         text, before = out.text, ref_llm.tokenizer.decode(out.token_ids[:-1])
         if "\ufffd" in text or not text.startswith(before) or len(text) - len(before) < 1:
             continue
-        for size in range(1, len(text) - len(before) + 1):
+        last = len(text) - len(before)
+        for size in range(last + 1, len(text) + 1) if spanning else range(1, last + 1):
             if text.find(stop := text[-size:]) == len(text) - size and stop.strip():
                 return prompt, text, stop
     raise AssertionError("no prompt in 50 gives such a stop string")
 
 
-def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(server, ref_llm):
-    prompt, text, stop = stop_at_the_last_token(ref_llm, 10)
+@pytest.mark.parametrize("spanning", [False, True])
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(server, ref_llm, spanning):
+    prompt, text, stop = stop_at_the_last_token(ref_llm, 10, spanning)
     for include, want in ((False, text[:-len(stop)]), (True, text)):
         choice = complete(server, prompt=prompt, max_tokens=10, stop=[stop],
                           include_stop_str_in_output=include)["choices"][0]
