@@ -4,6 +4,7 @@ is its GEMM_KINDS; every faked CPU family's linears are the modules the plan nam
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,13 @@ def test_the_readme_table_is_the_plans_printout():
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == plan.table(plan.FAMILIES)
     assert out in (HERE / "README.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_the_kernels_compile_where_there_is_a_compiler():
+    """The kernels' own tests skip where the library did not build (no compiler): here, with
+    one, a source that does not compile is a failure, not a suite of skips."""
+    assert kernels.compile_kernels() is not None
 
 
 def test_the_c_layers_gemm_enum_is_the_plans():
