@@ -36,6 +36,7 @@ without it the columns show "-" and one line says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -132,20 +133,26 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
     return flops / best / 1e9, fastest, flops
 
 
-READ_BUFFER = torch.ones(64 << 20, dtype=torch.float32)  # 256 MB, far past the caches
+READ_BYTES = 256 << 20  # far past the caches
+
+
+@functools.cache
+def read_buffer() -> torch.Tensor:
+    """What the read bound reads: made on first use, not when a test imports this script."""
+    return torch.ones(READ_BYTES // 4, dtype=torch.float32)
 
 
 def weight_stream_ms(weight_bytes: int, repeats: int = 10) -> tuple[float, float]:
     """(ms to read the weights once, read GB/s): the memory's rate from the best of `repeats`
-    reads (a sum, on every thread) of READ_BUFFER: the one-row step's bound, as the step reads
+    reads (a sum, on every thread) of read_buffer(): the one-row step's bound, as the step reads
     each weight once. (A copy moves twice the bytes, and a write costs more than a read: its
     rate understates the bound.)"""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        READ_BUFFER.sum()
+        read_buffer().sum()
         best = min(best, time.perf_counter() - t)
-    rate = READ_BUFFER.numel() * READ_BUFFER.element_size() / best
+    rate = READ_BYTES / best
     return weight_bytes / rate * 1e3, rate / 1e9
 
 
@@ -231,7 +238,7 @@ def main() -> None:
                     if name == "gemm":
                         gemm()
                     elif name == "read":
-                        READ_BUFFER.sum()
+                        read_buffer().sum()
                     else:
                         runners[name].execute_model(outs[name])
                     if step >= 2:
@@ -245,7 +252,7 @@ def main() -> None:
             same_moments_ms = rows * 2 * params / gemm_flops * gemm_s * 1e3
             step_bytes = weight_bytes + rows * args.context * kv_token_bytes
             read_ms = step_bytes / weight_bytes * stream_ms
-            read_between_ms = (step_bytes / (READ_BUFFER.numel() * READ_BUFFER.element_size())
+            read_between_ms = (step_bytes / READ_BYTES
                                * statistics.median(times["read"]) * 1e3)
             theirs = peer.get(str(rows))
             peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
