@@ -56,8 +56,6 @@ NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"
               "documents": (None,), "modalities": (None, ["text"])}
 
 
-
-
 @dataclass(frozen=True)
 class Endpoint:
     """What the checks need to know of an endpoint (its serving class's `endpoint`)."""
