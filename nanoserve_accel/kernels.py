@@ -45,6 +45,7 @@ OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
                      "linear_dpbf16_blocked": [_P] * 4 + [_I] * 3,
                      "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
                      "linear_dot_fp32": [_P] * 4 + [_I] * 3,
+                     "linear_fp32_blocked": [_P] * 4 + [_I] * 3,
                      "paged_prefill": [_P] * 7 + [_I] * 10 + [_F, _I], "has_paged_prefill": []}
 
 

@@ -7,18 +7,17 @@ the kernel that reads it. Each `nn.Linear` becomes the module of the GEMM the pl
     widened to fp32 once per panel (CPUs without native bf16).
   - `DotFp32Linear`, `Dpbf16Linear`: dot products on the plain weight (any N, any K) in fp32
     (csrc/dot_fp32.c, AVX-512) or bf16 pairs (csrc/dpbf16.c, AVX512-BF16), where they stream the
-    weights near memory speed and oneDNN does not. A bf16 one that hands over to oneDNN reads
-    oneDNN's reordered weight instead (csrc/dpbf16.c's blocked GEMM).
+    weights near memory speed and oneDNN does not. One that hands over to oneDNN reads oneDNN's
+    reordered weight instead (the files' blocked GEMMs).
   - `AmxLinear`: csrc/amx.c's tile GEMM on a weight packed into the tiles' order (AMX).
 A C GEMM takes up to `max_rows` rows (the plan's); more go to a library GEMM.
 
 Memory: each linear keeps its weight once, in the layout its kernels read, and drops the plain
 parameter where that is not it (a tied lm_head's plain table stays: the embedding's). The rows
 beyond `max_rows` go to a library GEMM on that same tensor, not to a second copy:
-  - dot_fp32: oneDNN on the plain weight (it reorders on the fly; fp32 hands over only from 96
-    rows, where that costs little);
-  - dpbf16: oneDNN on its reordered weight, which the C GEMM then reads too. oneDNN on the plain
-    bf16 weight cost half as much again at 16 rows (it re-packs W into VNNI pairs every call);
+  - dot_fp32, dpbf16: oneDNN on its reordered weight, which the C GEMM then reads too. oneDNN
+    on the plain bf16 weight cost half as much again at 16 rows (it re-packs W every call); a
+    shape oneDNN lays out otherwise keeps the plain weight, and oneDNN re-packs it;
   - panels: torch's batched GEMM on the panels as [N / 16, K, 16] matrices;
   - amx: the tile GEMM itself, in passes of 64 rows (no library reads its tile order)."""
 
@@ -112,41 +111,55 @@ class PanelsLinear(CLinear):
         return y.view(*x.shape[:-1], self.n)
 
 
-class DotFp32Linear(CLinear):
-    kernel, function = "dot_fp32", "linear_dot_fp32"
+class BlockedCLinear(CLinear):
+    """A dot-product GEMM on the plain weight; where it hands over to oneDNN (max_rows) and the
+    shape allows, its twin on oneDNN's reordered weight instead (`blocked`: kind and function),
+    which oneDNN then reads beyond max_rows: one copy, and oneDNN at its packed speed (on the
+    plain weight it re-packs W every call)."""
 
-
-class Dpbf16Linear(CLinear):
-    """dpbf16 on the plain weight; where it hands over to oneDNN (max_rows) and the shape allows,
-    on oneDNN's reordered weight instead (csrc/dpbf16.c's linear_dpbf16_blocked), which oneDNN
-    then reads beyond max_rows: one copy, and oneDNN at its packed speed."""
-
-    kernel, function = "dpbf16", "linear_dpbf16"
+    blocked: tuple[str, str]
 
     def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
-        if self.max_rows is not None and hasattr(lib, "linear_dpbf16_blocked"):
-            blocked = reorder(weight)
-            if is_blocked_64(blocked, weight):
-                self.kernel, self.function = "dpbf16_blocked", "linear_dpbf16_blocked"
-                return blocked
+        if self.max_rows is not None and hasattr(lib, self.blocked[1]):
+            reordered = reorder(weight)
+            if is_blocked_64(reordered, weight):
+                self.kernel, self.function = self.blocked
+                return reordered
         return super().lay_out(weight, lib)
 
     def layout_ptr(self) -> int:
-        blocked = self.kernel == "dpbf16_blocked"
-        return torch.ops.mkldnn.data_ptr(self.layout) if blocked else self.layout.data_ptr()
+        layout = self.layout
+        return torch.ops.mkldnn.data_ptr(layout) if layout.is_mkldnn else layout.data_ptr()
+
+
+class DotFp32Linear(BlockedCLinear):
+    """fp32: csrc/dot_fp32.c's linear_dot_fp32, or linear_fp32_blocked on oneDNN's weight."""
+
+    kernel, function = "dot_fp32", "linear_dot_fp32"
+    blocked = ("dot_fp32_blocked", "linear_fp32_blocked")
+
+
+class Dpbf16Linear(BlockedCLinear):
+    """bf16 pairs: csrc/dpbf16.c's linear_dpbf16, or linear_dpbf16_blocked on oneDNN's weight."""
+
+    kernel, function = "dpbf16", "linear_dpbf16"
+    blocked = ("dpbf16_blocked", "linear_dpbf16_blocked")
 
 
 def is_blocked_64(blocked: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether oneDNN laid bf16 `weight` [N, K] out as csrc/dpbf16.c's blocked GEMM reads it,
-    [N / 64][K / 2][64][2] with no padding: its choice depends on the CPU and the shape, so it is
-    checked on column blocks of the weight itself (the first, the last and some between)."""
+    """Whether oneDNN laid `weight` [N, K] out as our blocked GEMMs read it, 64-column blocks with
+    no padding: [N / 64][K][64] in fp32, [N / 64][K / 2][64][2] (VNNI pairs) in bf16. Its choice
+    depends on the CPU and the shape, so it is checked on column blocks of the weight itself (the
+    first, the last and some between)."""
     n, k = weight.shape
-    if (weight.dtype != torch.bfloat16 or n % 64 or k % 2
-            or torch.ops.mkldnn._nbytes(blocked) != n * k * 2):
+    pack = {torch.float32: 1, torch.bfloat16: 2}.get(weight.dtype)
+    if (pack is None or n % 64 or k % pack
+            or torch.ops.mkldnn._nbytes(blocked) != n * k * weight.element_size()):
         return False
-    memory = (ctypes.c_char * (n * k * 2)).from_address(torch.ops.mkldnn.data_ptr(blocked))
-    view = torch.frombuffer(memory, dtype=torch.bfloat16).view(n // 64, k // 2, 64, 2)
-    plain = weight.view(n // 64, 64, k // 2, 2)
+    memory = (ctypes.c_char * (n * k * weight.element_size())).from_address(
+        torch.ops.mkldnn.data_ptr(blocked))
+    view = torch.frombuffer(memory, dtype=weight.dtype).view(n // 64, k // pack, 64, pack)
+    plain = weight.view(n // 64, 64, k // pack, pack)
     picks = sorted({0, n // 64 - 1, *range(0, n // 64, max(1, n // 64 // 8))})
     return all(torch.equal(view[b].transpose(0, 1), plain[b]) for b in picks)
 

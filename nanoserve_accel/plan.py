@@ -23,11 +23,14 @@ from nanoserve_accel import kernels
 # (bench/gemm_compare.py; whole steps: scripts/bench/step_times.py; docs/benchmarks.md, GEMM):
 DOT_FP32_MAX_ROWS = 95  # fp32 dot products: memory-bound to ~9 rows, level with the packed GEMM
 # from 16; a decode step of one C call per layer measured faster than oneDNN's modules to 96 rows.
+FP32_BLOCKED_MAX_ROWS = 47  # the same on oneDNN's weight (N % 64 == 0): faster than dot_fp32 at
+# every row count, level with oneDNN at 24-48 rows of a 1B shape, oneDNN ahead from 64.
 PANELS_MAX_ROWS = 63  # fp32 packed panels, where AVX-512 oneDNN measured faster from 64 rows
 DPBF16_MAX_ROWS = 7  # AVX512-BF16 dot products: clearly faster at 1-4 rows, level at 6-7
 AMX_MAX_ROWS = 64  # AMX tiles: one pass over the weights serves up to 64 rows
-# csrc/layer.c's enum gemm; "dpbf16_blocked": dpbf16 on oneDNN's reordered weight (linear.py)
-GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3, "dpbf16_blocked": 4}
+# csrc/layer.c's enum gemm; "..._blocked": the kernel on oneDNN's reordered weight (linear.py)
+GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3, "dpbf16_blocked": 4,
+              "dot_fp32_blocked": 5}
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def gemm(m: Machine, dtype: torch.dtype, n: int, k: int) -> Gemm:
 
     native_bf16 = {"amx_bf16", "avx512_bf16"} & m.flags
     if dtype == torch.float32 and "dot_fp32" in m.kernels and "avx512f" in m.flags:
-        return handing_over("dot_fp32", DOT_FP32_MAX_ROWS)
+        return handing_over("dot_fp32", DOT_FP32_MAX_ROWS if n % 64 else FP32_BLOCKED_MAX_ROWS)
     if dtype == torch.bfloat16 and native_bf16:
         if "amx" in m.kernels and "amx_bf16" in m.flags and n % 16 == 0 and k % 32 == 0:
             # Beyond: the tile GEMM's own passes, on the one packed weight (linear.py).

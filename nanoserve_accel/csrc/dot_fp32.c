@@ -103,6 +103,92 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
   for (int g = 0; g < groups; ++g) dot_columns(x, w, bias, y, N, M, K, g * COLS, COLS);
   for (int n = groups * COLS; n < N; ++n) dot_columns(x, w, bias, y, N, M, K, n, 1);
 }
+/* ---- The float32 GEMM on oneDNN's blocked weight ----
+ * Where oneDNN takes the rows beyond the plan's limit, W is kept once, in oneDNN's reordered
+ * float32 layout (linear.py checks it is this one): [N / 64][K][64], each k's 64 columns of a
+ * column block contiguous. One FMA multiplies a row's x[k] (broadcast) by 16 columns, so each
+ * lane sums one column over k in order: no reduction at the end. K is taken in chunks (from 8
+ * rows on), the partial sums kept in y between them (float32, so exact): a chunk's weights stay
+ * in L2 for every block of rows, and a row's sums are the same bits whatever the rows beside it.
+ * Why a kernel of ours: on a Zen 4 VM (2 cores, avx512_bf16, no AMX) oneDNN on its reordered
+ * fp32 weight beat linear_dot_fp32 from 32 rows at a Llama-3.2-1B shape (16 rows on one
+ * thread) but is far slower at a few rows; the plain weight beside the reordered one would hold
+ * the weights twice. */
+enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
+enum { FB_PREFETCH = 2048 }; /* bytes ahead in the column block's stream (8 k) */
+
+/* Rows m0 .. m0 + ROWS - 1, vectors v0 .. v0 + NV - 1 (16 columns each) of the column block at
+ * wb (its column n0), k in [k0, k1); `first`: the sums start at 0, else at y; `last`: add the
+ * bias. Always inlined: ROWS and NV are then constants and `acc` stays in registers. */
+static inline __attribute__((always_inline)) void blocked_rows(
+    const float* x, const float* wb, const float* bias, float* y, int N, int K, int m0, int n0,
+    int v0, int k0, int k1, int first, int last, const int ROWS, const int NV) {
+  __m512 acc[FB_ROWS][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps()
+                        : _mm512_loadu_ps(y + (int64_t)(m0 + r) * N + n0 + 16 * (v0 + c));
+  const float* xr = x + (int64_t)m0 * K;
+  for (int k = k0; k < k1; ++k) {
+    const float* wk = wb + (int64_t)k * FB_COLS + 16 * v0;
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c)
+      __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) {
+      const __m512 wv = _mm512_loadu_ps(wk + 16 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xr[(int64_t)r * K + k]), wv, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) {
+      const int n = n0 + 16 * (v0 + c);
+      __m512 v = acc[r][c];
+      if (last && bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+      _mm512_storeu_ps(y + (int64_t)(m0 + r) * N + n, v);
+    }
+}
+
+/* NV vectors from v0 of the column block at wb, every row: a lone block of rows reads K at
+ * once, more blocks read it chunk by chunk, each block of rows in turn. */
+static inline __attribute__((always_inline)) void blocked_task(
+    const float* x, const float* wb, const float* bias, float* y, int N, int M, int K, int n0,
+    int v0, const int NV) {
+  const int chunk = M <= FB_ROWS ? K : FB_CHUNK;
+  for (int k0 = 0; k0 < K; k0 += chunk) {
+    const int k1 = K - k0 < chunk ? K : k0 + chunk;
+    for (int m0 = 0; m0 < M; m0 += FB_ROWS) {
+      const int rows = M - m0 < FB_ROWS ? M - m0 : FB_ROWS;
+#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, v0, k0, k1, k0 == 0, k1 == K, R, NV)
+      BY_ROWS(rows, FB_ROWS, BLOCKED);
+#undef BLOCKED
+    }
+  }
+}
+
+/* N % 64 == 0 (the caller checks). A task is a column block, or half of one where there are
+ * under 16 blocks (SmolLM2-135M's 576 columns are 9: halves even out the two threads' share);
+ * "guided" hands out runs of adjacent tasks, as linear_dot_fp32() does. */
+void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
+                         int M, int K) {
+  const int blocks = N / FB_COLS, halves = blocks < 16;
+  const int tasks = blocks << halves;
+#pragma omp parallel for schedule(guided)
+  for (int t = 0; t < tasks; ++t) {
+    const int b = t >> halves;
+    const float* wb = w + (int64_t)b * FB_COLS * K;
+    if (halves)
+      blocked_task(x, wb, bias, y, N, M, K, b * FB_COLS, (t & 1) * 2, 2);
+    else
+      blocked_task(x, wb, bias, y, N, M, K, b * FB_COLS, 0, 4);
+  }
+}
 #else
 int has_dot_fp32(void) { return 0; }
 #endif

@@ -24,6 +24,8 @@ int paged_decode(const void* q, const void* k_cache, const void* v_cache,
 #ifdef __AVX512F__
 void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
                      int K);
+void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
+                         int M, int K);
 #endif
 #ifdef __AVX512BF16__
 void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
@@ -36,7 +38,7 @@ void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, 
 
 /* Which C GEMM a linear takes: plan.GEMM_KINDS (a test holds the two equal). */
 enum { GEMM_PANELS = 0, GEMM_DOT_FP32 = 1, GEMM_DPBF16 = 2, GEMM_AMX = 3,
-       GEMM_DPBF16_BLOCKED = 4 };
+       GEMM_DPBF16_BLOCKED = 4, GEMM_DOT_FP32_BLOCKED = 5 };
 
 struct gemm {
   const void* w;    /* the module's weight in its kernel's layout */
@@ -59,6 +61,9 @@ static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
     case GEMM_PANELS: linear_panels(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
 #ifdef __AVX512F__
     case GEMM_DOT_FP32: linear_dot_fp32(x, g->w, g->bias, y, g->n, M, g->k); return 0;
+    case GEMM_DOT_FP32_BLOCKED:
+      linear_fp32_blocked(x, g->w, g->bias, y, g->n, M, g->k);
+      return 0;
 #endif
 #ifdef __AVX512BF16__
     case GEMM_DPBF16: linear_dpbf16(x, g->w, g->bias, y, g->n, M, g->k); return 0;

@@ -121,3 +121,54 @@ def test_fp32_gets_the_dot_gemm_only_on_avx512_with_a_library_built_for_it(
         assert [type(m) for m in model] == [DotFp32Linear, DotFp32Linear]
     else:
         assert [type(m) for m in model] == [PanelsLinear, OneDNNLinear]
+
+
+def blocked(linear: nn.Linear, max_rows: int = 64) -> DotFp32Linear:
+    """DotFp32Linear on oneDNN's reordered weight (it hands over beyond max_rows). oneDNN pads K
+    to a multiple of 16, which the kernel does not read: such a weight stays plain."""
+    module = DotFp32Linear(linear, LIB, max_rows)
+    assert module.kernel == "dot_fp32_blocked" and module.layout.is_mkldnn
+    return module
+
+
+@needs_dot_fp32
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 8, 13, 15, 22])  # 7-row blocks; K chunks from 8
+@pytest.mark.parametrize("k, n", [(48, 64), (304, 192), (528, 1024)])  # 1, 3 (halves), 16 blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_blocked_gemm_on_onednns_weight_matches_linear(rows, k, n, bias):
+    torch.manual_seed(rows * k)
+    linear = nn.Linear(k, n, bias=bias).requires_grad_(False)
+    x = torch.randn(rows, k)
+    with torch.inference_mode():
+        got = blocked(linear)(x)
+    torch.testing.assert_close(got, reference(x, linear), atol=1e-4, rtol=1e-5)
+
+
+@needs_dot_fp32
+def test_the_blocked_gemm_gives_a_row_the_same_bits_in_any_batch_and_hands_over():
+    """K is summed in chunks once there are 8 rows or more, the partial sums kept in float32 in
+    the output: exact, so a row alone or in any batch gives the same bits. Beyond max_rows oneDNN
+    takes the rows, on the same reordered tensor."""
+    torch.manual_seed(0)
+    linear = nn.Linear(608, 128, bias=True).requires_grad_(False)
+    module = blocked(linear, max_rows=16)
+    handed = []
+    library = module.library
+    module.library = lambda x: handed.append(x.shape[0]) or library(x)
+    x = torch.randn(16, 608)
+    with torch.inference_mode():
+        full = module(x)
+        for rows in (1, 3, 7, 8, 9, 15):
+            for start in (0, 1):
+                assert torch.equal(module(x[start:start + rows]), full[start:start + rows])
+        more = torch.randn(17, 608)
+        torch.testing.assert_close(module(more), reference(more, linear), atol=1e-4, rtol=1e-5)
+    assert handed == [17]
+
+
+@needs_dot_fp32
+def test_a_weight_onednn_pads_stays_plain():
+    """oneDNN pads K = 40 to 48: not the layout the blocked GEMM reads, so dot_fp32 keeps the plain
+    weight and oneDNN re-packs it beyond max_rows."""
+    module = DotFp32Linear(nn.Linear(40, 64).requires_grad_(False), LIB, 16)
+    assert module.kernel == "dot_fp32" and not module.layout.is_mkldnn
