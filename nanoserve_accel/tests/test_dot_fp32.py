@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanoserve_accel import kernels
+from nanoserve_accel import kernels, plan
 from nanoserve_accel.linear import (
     DotFp32Linear,
     OneDNNLinear,
@@ -172,3 +172,24 @@ def test_a_weight_onednn_pads_stays_plain():
     weight and oneDNN re-packs it beyond max_rows."""
     module = DotFp32Linear(nn.Linear(40, 64).requires_grad_(False), LIB, 16)
     assert module.kernel == "dot_fp32" and not module.layout.is_mkldnn
+
+
+@needs_dot_fp32
+def test_a_tied_fp32_head_reads_the_embeddings_table_and_the_rest_are_blocked():
+    """An lm_head tied to the embedding keeps that one table (dot_fp32 at every row count); an
+    untied linear of the same shape takes oneDNN's blocked weight, its plain one dropped."""
+    model = nn.Module()
+    model.embed = nn.Embedding(128, 64)
+    model.head = nn.Linear(64, 128, bias=False)
+    model.head.weight = model.embed.weight
+    model.other = nn.Linear(64, 128, bias=False)
+    model.requires_grad_(False)
+    x = torch.randn(3, 64)
+    want_head, want_other = reference(x, model.head), reference(x, model.other)
+    replace_linears(model, LIB, plan.FAMILIES["AVX512-BF16, no AMX (AMD Zen 4)"])
+    assert model.head.kernel == "dot_fp32" and model.head.max_rows is None
+    assert model.head.layout.data_ptr() == model.embed.weight.data_ptr()
+    assert model.other.kernel == "dot_fp32_blocked"
+    with torch.inference_mode():
+        torch.testing.assert_close(model.head(x), want_head, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.other(x), want_other, atol=1e-4, rtol=1e-5)
