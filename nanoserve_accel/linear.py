@@ -246,17 +246,13 @@ def replace_linears(model: nn.Module, lib: ctypes.CDLL | None,
 
 def replace_linear(module: nn.Module, name: str, lib: ctypes.CDLL | None,
                    machine: plan.Machine, tied: bool = False) -> None:
-    """module.<name> by its GEMM's module, which keeps the one layout it reads. A `tied` fp32
-    weight (an lm_head sharing the embedding's table) stays that table, dot_fp32 at every row
-    count: its blocked copy was 1.05 GB at Llama-3.2-1B's shape for ~1% of a one-row step. (bf16
-    keeps its blocked copy: dpbf16 read the plain table 30% slower, and the copy is half.)"""
+    """module.<name> by its GEMM's module, which keeps the one layout it reads; `tied`: its
+    weight is also another module's (the plan decides whether it may be copied)."""
     child = getattr(module, name)
     head = isinstance(child, ParallelLMHead)
     parallel = isinstance(child, RowParallelLinear) and child.tp_size > 1
     n, k = child.weight.shape
-    g = plan.gemm(machine, child.weight.dtype, n, k)
-    if tied and g.kernel == "dot_fp32":
-        g = plan.Gemm("dot_fp32")
+    g = plan.gemm(machine, child.weight.dtype, n, k, tied)
     if g.kernel not in MODULES and g.kernel != "onednn":
         return
     if parallel and child.tp_rank > 0:

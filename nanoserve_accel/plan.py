@@ -71,8 +71,9 @@ class Gemm:
                               f" up to {self.max_rows} rows, {self.beyond} beyond")
 
 
-def gemm(m: Machine, dtype: torch.dtype, n: int, k: int) -> Gemm:
-    """The GEMM of a [n, k] linear in `dtype` on machine `m`."""
+def gemm(m: Machine, dtype: torch.dtype, n: int, k: int, tied: bool = False) -> Gemm:
+    """The GEMM of a [n, k] linear in `dtype` on machine `m`; `tied`: its weight is also the
+    embedding's table (an lm_head), which a handover would copy into oneDNN's layout."""
     onednn = dtype in m.onednn
 
     def handing_over(kernel: str, max_rows: int) -> Gemm:
@@ -80,13 +81,15 @@ def gemm(m: Machine, dtype: torch.dtype, n: int, k: int) -> Gemm:
 
     native_bf16 = {"amx_bf16", "avx512_bf16"} & m.flags
     if dtype == torch.float32 and "dot_fp32" in m.kernels and "avx512f" in m.flags:
+        if tied:  # the table itself, at every row count: a blocked copy was 1.05 GB at
+            return Gemm("dot_fp32")  # Llama-3.2-1B's shape, for ~1% of a one-row step
         return handing_over("dot_fp32", DOT_FP32_MAX_ROWS if n % 64 else FP32_BLOCKED_MAX_ROWS)
     if dtype == torch.bfloat16 and native_bf16:
         if "amx" in m.kernels and "amx_bf16" in m.flags and n % 16 == 0 and k % 32 == 0:
             # Beyond: the tile GEMM's own passes, on the one packed weight (linear.py).
             return Gemm("amx", AMX_MAX_ROWS, "amx passes")
-        if "dpbf16" in m.kernels and "avx512_bf16" in m.flags:
-            return handing_over("dpbf16", DPBF16_MAX_ROWS)
+        if "dpbf16" in m.kernels and "avx512_bf16" in m.flags:  # tied too: the bf16 copy is
+            return handing_over("dpbf16", DPBF16_MAX_ROWS)  # half, dpbf16 on the table ~30% slower
         if onednn:
             return Gemm("onednn")
     if dtype in (torch.float32, torch.bfloat16) and "c" in m.kernels and n % 16 == 0:
