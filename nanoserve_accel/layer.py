@@ -4,7 +4,8 @@ paying Python's dispatch, ctypes' argument conversion and an output allocation: 
 overhead was about a tenth of the step. The C calls the same kernels in the same order, so it
 computes the same values. It runs only where it can (every row decodes one token, and each of
 the layer's linears takes a C GEMM at that row count); otherwise the modules run as before.
-It replaces each DecoderLayer, after replace_linears and fuse_elementwise."""
+It replaces each DecoderLayer, after replace_linears and fuse_elementwise; where it replaced
+them all, the DecoderModel runs them in one C call a step (FusedDecoderModel)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
-from nanoserve.models.decoder import DecoderLayer
+from nanoserve.models.decoder import DecoderLayer, DecoderModel
 from nanoserve_accel.fused import FusedAttention, FusedRMSNorm, FusedSiluAndMul
 from nanoserve_accel.linear import CLinear
 from nanoserve_accel.plan import GEMM_KINDS
@@ -56,28 +57,86 @@ class FusedDecoderLayer(nn.Module):
         self.max_rows = max_rows  # the most decode rows all four GEMMs take in C
         self.attn = plain.self_attn.plain.attn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def takes(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              meta: AttentionMetadata, max_rows: int) -> bool:
+        """Whether the C runs this step: decode rows only, at most max_rows, as it lays them out."""
         n, cache = x.shape[0], self.attn.k_cache
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
-        if (meta.num_decode_tokens != n or n > self.max_rows  # prefill rows: the modules
-                or x.dtype != self.dtype or cache.dtype != self.dtype or cos.dtype != x.dtype
-                or sin.dtype != x.dtype or tables.dtype != torch.int32 or lens.dtype != torch.int32
-                or slots.dtype != torch.int64 or tables.shape[0] != n or lens.shape != (n,)
-                or slots.shape != (n,) or cache.dim() != 4
-                or not all(t.is_contiguous() for t in (x, cos, sin, tables, lens, slots))):
-            return self.plain(x, cos, sin, meta)
-        args, out = self.args, torch.empty_like(x)
+        return not (meta.num_decode_tokens != n or n > max_rows  # prefill rows: the modules
+                    or x.dtype != self.dtype or cache.dtype != self.dtype or cos.dtype != x.dtype
+                    or sin.dtype != x.dtype or tables.dtype != torch.int32
+                    or lens.dtype != torch.int32 or slots.dtype != torch.int64
+                    or tables.shape[0] != n or lens.shape != (n,) or slots.shape != (n,)
+                    or cache.dim() != 4
+                    or not all(t.is_contiguous() for t in (x, cos, sin, tables, lens, slots)))
+
+    def bind_cache(self) -> None:
+        """The cache's fields of `args`, from the attention's cache as bound now."""
+        cache, args = self.attn.k_cache, self.args
         args.k_cache, args.v_cache = cache.data_ptr(), self.attn.v_cache.data_ptr()
         args.num_blocks, args.block_size = cache.shape[0], cache.shape[1]
-        bad = self.lib.decode_layer(ctypes.addressof(args), x.data_ptr(), out.data_ptr(),
-                                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                    tables.data_ptr(), lens.data_ptr(), n, tables.shape[1])
-        if bad == -2:
-            raise RuntimeError("decode_layer: a GEMM kind the kernel library was not built with")
-        if bad >= 0:  # a slot, a length or a block id the kernels refused: the modules' checks
-            return self.plain(x, cos, sin, meta)  # name it (they raise ValueError)
-        return out
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if not self.takes(x, cos, sin, meta, self.max_rows):
+            return self.plain(x, cos, sin, meta)
+        self.bind_cache()
+        out = torch.empty_like(x)
+        bad = self.lib.decode_layer(ctypes.addressof(self.args), x.data_ptr(), out.data_ptr(),
+                                    *step_pointers(cos, sin, meta))
+        return out if check(bad) else self.plain(x, cos, sin, meta)
+
+
+def step_pointers(cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> tuple:
+    """decode_layer's arguments after x and out."""
+    tables = meta.decode_block_tables
+    return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+            meta.decode_context_lens.data_ptr(), tables.shape[0], tables.shape[1])
+
+
+def check(bad: int) -> bool:
+    """decode_layer's status: True if it ran, False where a slot, a length or a block id was
+    refused (then the modules' checks name it: they raise ValueError)."""
+    if bad == -2:
+        raise RuntimeError("decode_layer: a GEMM kind the kernel library was not built with")
+    return bad < 0
+
+
+class FusedDecoderModel(nn.Module):
+    """DecoderModel.forward with all its layers in one C call (csrc/layer.c's decode_layers) on
+    the steps every layer's C takes: one crossing from Python a step, not one a layer. The same
+    modules as the DecoderModel it replaces, under the same names."""
+
+    def __init__(self, plain: DecoderModel, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.embed_tokens, self.rotary_emb = plain.embed_tokens, plain.rotary_emb
+        self.layers, self.norm, self.lib = plain.layers, plain.norm, lib
+        self.fused = list(plain.layers)  # FusedDecoderLayers, all of them
+        self.args = (ctypes.c_void_p * len(self.fused))(
+            *(ctypes.addressof(layer.args) for layer in self.fused))
+        self.max_rows = min(layer.max_rows for layer in self.fused)
+        self.bound: torch.Tensor | None = None  # layer 0's k_cache when the args were bound
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        done = 0
+        if self.fused[0].takes(x, cos, sin, meta, self.max_rows):
+            if self.fused[0].attn.k_cache is not self.bound:  # the runner binds all at once
+                for layer in self.fused:
+                    layer.bind_cache()
+                self.bound = self.fused[0].attn.k_cache
+            out, ran = torch.empty_like(x), ctypes.c_int(0)
+            bad = self.lib.decode_layers(self.args, len(self.fused), x.data_ptr(),
+                                         out.data_ptr(), *step_pointers(cos, sin, meta),
+                                         ctypes.byref(ran))
+            check(bad)
+            done = ran.value
+            x = out if done else x  # up to the refused layer (its modules raise)
+        for layer in self.fused[done:]:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
 
 
 def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None:
@@ -111,3 +170,6 @@ def fuse_layers(model: nn.Module, lib: ctypes.CDLL) -> None:
     for i, layer in enumerate(layers):
         if type(layer) is DecoderLayer and (found := layer_args(layer)) is not None:
             layers[i] = FusedDecoderLayer(layer, lib, *found)
+    if type(model.model) is DecoderModel and all(type(lay) is FusedDecoderLayer
+                                                 for lay in layers):
+        model.model = FusedDecoderModel(model.model, lib)

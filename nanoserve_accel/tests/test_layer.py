@@ -5,6 +5,8 @@ within its GEMMs' row limits, and bad slots or block ids still raise the modules
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -13,7 +15,7 @@ from nanoserve.layers.attention import Attention, get_backend
 from nanoserve.models import decoder
 from nanoserve_accel import kernels
 from nanoserve_accel.fused import fuse_elementwise
-from nanoserve_accel.layer import FusedDecoderLayer, fuse_layers
+from nanoserve_accel.layer import FusedDecoderLayer, FusedDecoderModel, fuse_layers
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel
 from tests.common.helpers import make_inputs
@@ -28,10 +30,10 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
 
 class Counting:
-    """The kernel library, counting decode_layer calls."""
+    """The kernel library, counting the layers its decode_layer and decode_layers calls ran."""
 
     def __init__(self, lib) -> None:
-        self.lib, self.calls = lib, 0
+        self.lib, self.calls, self.model_calls = lib, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.lib, name)
@@ -40,10 +42,26 @@ class Counting:
         self.calls += 1
         return self.lib.decode_layer(*args)
 
+    def decode_layers(self, *args):
+        self.model_calls += 1
+        status = self.lib.decode_layers(*args)
+        self.calls += args[-1]._obj.value  # `done`, by reference
+        return status
 
-def fast_model(config, dtype: torch.dtype, layers: bool) -> decoder.DecoderForCausalLM:
+
+def count_calls(model) -> Counting:
+    """Every C layer call of `model` through one Counting."""
+    counting = Counting(LIB)
+    for module in model.modules():
+        if isinstance(module, (FusedDecoderLayer, FusedDecoderModel)):
+            module.lib = counting
+    return counting
+
+
+def fast_model(config, dtype: torch.dtype, layers: bool,
+               one_call: bool = True) -> decoder.DecoderForCausalLM:
     """The fast path's CPU model (as optimize() builds it) with its own zeroed cache; `layers`:
-    with the fused layers."""
+    with the fused layers, all in one call a step unless not `one_call`."""
     torch.manual_seed(0)
     model = decoder.DecoderForCausalLM(config).eval()
     with torch.no_grad():  # norms that are not all ones, so that swapping two of them shows
@@ -58,6 +76,8 @@ def fast_model(config, dtype: torch.dtype, layers: bool) -> decoder.DecoderForCa
         attn.bind(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), backend)
     if layers:
         fuse_layers(model, LIB)
+        if not one_call and isinstance(model.model, FusedDecoderModel):  # the plain loop
+            model.model.forward = functools.partial(decoder.DecoderModel.forward, model.model)
     return model
 
 
@@ -81,25 +101,29 @@ C_LAYER_STEPS = [False, True, True, True, False]  # decode-only steps: one call 
 @pytest.mark.parametrize("cpu_kind", ["native", "avx2", "avx512_bf16", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", CONFIGS, ids=["llama", "qwen2", "mqa-odd-mlp"])
-def test_one_call_per_layer_computes_what_the_modules_do(config, dtype, cpu_kind, fake_cpu):
+@pytest.mark.parametrize("one_call", [True, False], ids=["model", "layer"])
+def test_one_call_per_layer_computes_what_the_modules_do(config, dtype, cpu_kind, one_call,
+                                                         fake_cpu):
     """Bit for bit: the same kernels in the same order, whichever GEMMs the CPU gives each
-    linear (on the faked CPUs only those the library was built with)."""
+    linear (on the faked CPUs only those the library was built with); all layers in one call
+    a step, or one call a layer."""
     if cpu_kind != "native":
         fake_cpu(cpu_kind)
-    modules, layers = fast_model(config, dtype, False), fast_model(config, dtype, True)
+    modules = fast_model(config, dtype, False)
+    layers = fast_model(config, dtype, True, one_call)
     fused = [m for m in layers.modules() if isinstance(m, FusedDecoderLayer)]
     if cpu_kind == "native":  # the real CPU's library has a C GEMM for all these shapes
         assert len(fused) == config.num_hidden_layers
     else:  # a faked native-bf16 CPU whose library lacks its kernels (an AVX2 machine faked as
         assert len(fused) in (0, config.num_hidden_layers)  # AMX) sends bf16 to oneDNN
-    counting = Counting(LIB)
-    for layer in fused:
-        layer.lib = counting
+    assert isinstance(layers.model, FusedDecoderModel) == bool(fused)
+    counting = count_calls(layers)
     for step, c_layer in zip(STEPS, C_LAYER_STEPS):
-        calls = counting.calls
+        calls, model_calls = counting.calls, counting.model_calls
         expected, got = forward(modules, step), forward(layers, step)
         assert torch.equal(got, expected)
         assert counting.calls - calls == (len(fused) if c_layer else 0)
+        assert counting.model_calls - model_calls == (c_layer and one_call and bool(fused))
     for a, b in zip(*([m for m in model.modules() if isinstance(m, Attention)]
                       for model in (modules, layers))):  # the caches too
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
@@ -108,9 +132,10 @@ def test_one_call_per_layer_computes_what_the_modules_do(config, dtype, cpu_kind
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_beyond_the_c_gemms_take_the_modules(dtype):
     modules, layers = fast_model(CONFIGS[0], dtype, False), fast_model(CONFIGS[0], dtype, True)
-    counting = Counting(LIB)
+    counting = count_calls(layers)
     for layer in (m for m in layers.modules() if isinstance(m, FusedDecoderLayer)):
-        layer.lib, layer.max_rows = counting, 1
+        layer.max_rows = 1
+    layers.model.max_rows = 1
     for step in STEPS[:3]:
         assert torch.equal(forward(layers, step), forward(modules, step))
     assert counting.calls == CONFIGS[0].num_hidden_layers  # the one-row step only

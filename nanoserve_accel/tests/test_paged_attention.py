@@ -89,6 +89,24 @@ def test_a_long_request_is_split_merged_and_alone_the_same(dtype, head_dim, grou
         assert torch.equal(alone[0], got[i])
 
 
+# Fewer parts than two per thread: each part's KV heads are split over tasks (attention.c).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (3, 64), (8, 128), (3, 24)])
+def test_a_rows_heads_split_over_threads_give_the_bits_of_a_full_batch(dtype, num_kv_heads,
+                                                                       head_dim):
+    case = PagedCase(LENS, 16, num_kv_heads=num_kv_heads, group=3, seed=num_kv_heads,
+                     head_dim=head_dim)
+    case.q, case.k_cache, case.v_cache = (t.to(dtype) for t in (case.q, case.k_cache,
+                                                                 case.v_cache))
+    got = run(case)  # six rows: no split
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, case.expected(), atol=tol, rtol=tol)
+    for i in (0, 4, 5):  # alone: one part, its heads split
+        alone = run(case, q=case.q[i:i + 1].unsqueeze(1), block_table=case.block_table[i:i + 1],
+                    cache_seqlens=torch.tensor([case.lens[i][0]], dtype=torch.int32))
+        assert torch.equal(alone[0], got[i])
+
+
 @pytest.mark.parametrize("q_scale", [0.0, 300.0])
 def test_softmax_of_equal_and_of_far_apart_scores(q_scale):
     """q = 0: every key weighs the same; q x 300: scores hundreds apart, most e^x underflow
