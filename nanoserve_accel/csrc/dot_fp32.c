@@ -117,22 +117,23 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
 enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
 enum { FB_PREFETCH = 2048 }; /* bytes ahead in the column block's stream (8 k) */
 
-/* Rows m0 .. m0 + ROWS - 1, vectors v0 .. v0 + NV - 1 (16 columns each) of the column block at
- * wb (its column n0), k in [k0, k1); `first`: the sums start at 0, else at y; `last`: add the
- * bias. Always inlined: ROWS and NV are then constants and `acc` stays in registers. */
+/* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in
+ * [k0, k1); `first`: the sums start at 0, else at y; `last`: add the bias. Always inlined: ROWS
+ * is then a constant and `acc` stays in registers. */
+enum { NV = FB_COLS / 16 };
 static inline __attribute__((always_inline)) void blocked_rows(
     const float* x, const float* wb, const float* bias, float* y, int N, int K, int m0, int n0,
-    int v0, int k0, int k1, int first, int last, const int ROWS, const int NV) {
+    int k0, int k1, int first, int last, const int ROWS) {
   __m512 acc[FB_ROWS][4];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c)
       acc[r][c] = first ? _mm512_setzero_ps()
-                        : _mm512_loadu_ps(y + (int64_t)(m0 + r) * N + n0 + 16 * (v0 + c));
+                        : _mm512_loadu_ps(y + (int64_t)(m0 + r) * N + n0 + 16 * c);
   const float* xr = x + (int64_t)m0 * K;
   for (int k = k0; k < k1; ++k) {
-    const float* wk = wb + (int64_t)k * FB_COLS + 16 * v0;
+    const float* wk = wb + (int64_t)k * FB_COLS;
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c)
       __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
@@ -148,46 +149,39 @@ static inline __attribute__((always_inline)) void blocked_rows(
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
-      const int n = n0 + 16 * (v0 + c);
+      const int n = n0 + 16 * c;
       __m512 v = acc[r][c];
       if (last && bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
       _mm512_storeu_ps(y + (int64_t)(m0 + r) * N + n, v);
     }
 }
 
-/* NV vectors from v0 of the column block at wb, every row: a lone block of rows reads K at
- * once, more blocks read it chunk by chunk, each block of rows in turn. */
-static inline __attribute__((always_inline)) void blocked_task(
-    const float* x, const float* wb, const float* bias, float* y, int N, int M, int K, int n0,
-    int v0, const int NV) {
+/* The column block at wb, every row: a lone block of rows reads K at once, more blocks read it
+ * chunk by chunk, each block of rows in turn. */
+static void blocked_task(const float* x, const float* wb, const float* bias, float* y, int N,
+                         int M, int K, int n0) {
   const int chunk = M <= FB_ROWS ? K : FB_CHUNK;
   for (int k0 = 0; k0 < K; k0 += chunk) {
     const int k1 = K - k0 < chunk ? K : k0 + chunk;
     for (int m0 = 0; m0 < M; m0 += FB_ROWS) {
       const int rows = M - m0 < FB_ROWS ? M - m0 : FB_ROWS;
-#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, v0, k0, k1, k0 == 0, k1 == K, R, NV)
+#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, k0, k1, k0 == 0, k1 == K, R)
       BY_ROWS(rows, FB_ROWS, BLOCKED);
 #undef BLOCKED
     }
   }
 }
 
-/* N % 64 == 0 (the caller checks). A task is a column block, or half of one where there are
- * under 16 blocks (SmolLM2-135M's 576 columns are 9: halves even out the two threads' share);
- * "guided" hands out runs of adjacent tasks, as linear_dot_fp32() does. */
+/* N % 64 == 0 (the caller checks). A task is a column block; "guided" hands out runs of adjacent
+ * ones, as linear_dot_fp32() does. (Half blocks, where there are under 16, evened out the two
+ * threads' share of SmolLM2-135M's 9-block linears but measured slower: 1-row step 14.4-14.8 ->
+ * 10.6-13.8 ms without them, 16 rows 27.4-28.6 -> 24.3-25.4, Zen 4 VM, alternating runs.) */
 void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
                          int M, int K) {
-  const int blocks = N / FB_COLS, halves = blocks < 16;
-  const int tasks = blocks << halves;
+  const int blocks = N / FB_COLS;
 #pragma omp parallel for schedule(guided)
-  for (int t = 0; t < tasks; ++t) {
-    const int b = t >> halves;
-    const float* wb = w + (int64_t)b * FB_COLS * K;
-    if (halves)
-      blocked_task(x, wb, bias, y, N, M, K, b * FB_COLS, (t & 1) * 2, 2);
-    else
-      blocked_task(x, wb, bias, y, N, M, K, b * FB_COLS, 0, 4);
-  }
+  for (int b = 0; b < blocks; ++b)
+    blocked_task(x, w + (int64_t)b * FB_COLS * K, bias, y, N, M, K, b * FB_COLS);
 }
 #else
 int has_dot_fp32(void) { return 0; }

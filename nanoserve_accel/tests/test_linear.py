@@ -74,6 +74,21 @@ def test_dpbf16_linear_matches_the_float_sum_rounded_to_bf16(rows, k, n, bias):
 
 
 @needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 2, 6, 7])  # up to the plan's 7: one block of rows
+# 1, 3, 9 and 16 blocks (K = 48, 304 or 528: oneDNN pads them, the weight stays plain)
+@pytest.mark.parametrize("k, n", [(64, 64), (320, 192), (1536, 576), (512, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dpbf16_on_onednns_blocked_weight_matches_the_float_sum(rows, k, n, bias):
+    torch.manual_seed(rows * k)
+    linear = nn.Linear(k, n, bias=bias).requires_grad_(False).to(torch.bfloat16)
+    module = Dpbf16Linear(linear, LIB, DPBF16_MAX_ROWS)
+    assert module.kernel == "dpbf16_blocked" and module.layout.is_mkldnn
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), bf16_reference(x, linear), atol=1e-2, rtol=1e-2)
+
+
+@needs_dpbf16
 @pytest.mark.parametrize("leading", [(1,), (2, 3), (1, 1, 5)])
 def test_dpbf16_linear_leading_dims_and_other_inputs(leading):
     torch.manual_seed(0)
