@@ -7,7 +7,7 @@ It is the only place anything is swapped in, and it swaps whole modules:
     count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
     attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c: decode;
     bf16 prefill on AVX512-BF16),
-    a decode step's layer is one C call of those kernels (layer.py, csrc/layer.c), top-k and
+    a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c), top-k and
     top-p filter the likeliest tokens only (sampler.py), and freed buffers stay in the heap
     (kernels.keep_freed_memory, process-wide).
 The results equal the plain path's (nanoserve_accel/tests/)."""
@@ -43,4 +43,4 @@ def optimize(runner: ModelRunner) -> None:
         runner.backend = with_decode_kernel(runner.backend, lib)
         if plan.prefill_attention(machine, runner.dtype) != "torch twin":
             runner.backend = with_prefill_kernel(runner.backend, lib, machine)
-        fuse_layers(runner.model, lib)  # a decode step's layer: one C call
+        fuse_layers(runner.model, lib)  # a decode step's layers: one C call
