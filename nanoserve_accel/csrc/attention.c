@@ -170,9 +170,10 @@ static int first_bad_request(const int32_t* block_table, const int32_t* lens, in
   return -1;
 }
 
-/* One request per task. Each (head size, dtype) below gets its own copy of decode_request,
- * with those two as constants: 64 and 128 unrolled, any other multiple of 8 generic.
- * Returns -1, or a request whose values first_bad_request refuses: then nothing is read. */
+/* One request per task (or a part of one, or a part's heads: below). Each (head size, dtype)
+ * below gets its own copy of decode_request, with those two as constants: 64 and 128 unrolled,
+ * any other multiple of 8 generic. Returns -1, or a request whose values first_bad_request
+ * refuses: then nothing is read. */
 /* A request longer than SPLIT tokens is split into parts of SPLIT, each a task of its own,
  * and the parts' outputs merged by their softmax sums (as flash-decoding does): with one task a
  * request, one row at a long context had one thread read its whole KV. 2-core Zen 4 VM
@@ -215,7 +216,7 @@ int paged_decode(ARGS, int bf16) {
   const int per = parts >= wanted ? Hkv : (Hkv * parts / wanted > 0 ? Hkv * parts / wanted : 1);
   const int pieces = (Hkv + per - 1) / per; /* of a part: KV heads per, per, ..., the rest */
   const int tasks = parts * pieces;
-  /* a split request's parts: their float32 outputs [H, D] and log-sums [H], by task */
+  /* a split request's parts: their float32 outputs [H, D] and log-sums [H], by part */
   float* part_out = parts > B ? malloc(sizeof(float) * parts * H * D) : NULL;
   float* part_lse = parts > B ? malloc(sizeof(float) * parts * H) : NULL;
   const int64_t row_bytes = (int64_t)H * D * (bf16 ? 2 : 4);
@@ -224,14 +225,14 @@ int paged_decode(ARGS, int bf16) {
     struct scratch buf = {0};
     int b = 0; /* the request of this thread's task: its tasks come in increasing order */
 #pragma omp for schedule(dynamic, 1)
-    for (int piece = 0; piece < tasks; ++piece) {
-      const int task = piece / pieces, g0 = piece % pieces * per;
+    for (int task = 0; task < tasks; ++task) {
+      const int part = task / pieces, g0 = task % pieces * per;
       const int g1 = g0 + per < Hkv ? g0 + per : Hkv;
-      while (first[b + 1] <= task) ++b;
-      const int p = task - first[b], whole = first[b + 1] - first[b] == 1;
+      while (first[b + 1] <= part) ++b;
+      const int p = part - first[b], whole = first[b + 1] - first[b] == 1;
       const int t0 = p * SPLIT, t1 = whole ? lens[b] : (t0 + SPLIT < lens[b] ? t0 + SPLIT : lens[b]);
-      void* to = whole ? (char*)out + b * row_bytes : (void*)(part_out + (int64_t)task * H * D);
-      float* lse = whole ? NULL : part_lse + (int64_t)task * H;
+      void* to = whole ? (char*)out + b * row_bytes : (void*)(part_out + (int64_t)part * H * D);
+      float* lse = whole ? NULL : part_lse + (int64_t)part * H;
       const int ob = whole ? bf16 : 0;
       if (D == 64 && bf16) decode_request(PASS(64, 1), b, t0, t1, g0, g1, ob, lse, &buf);
       else if (D == 64) decode_request(PASS(64, 0), b, t0, t1, g0, g1, ob, lse, &buf);

@@ -124,7 +124,7 @@ enum { NV = FB_COLS / 16 };
 static inline __attribute__((always_inline)) void blocked_rows(
     const float* x, const float* wb, const float* bias, float* y, int N, int K, int m0, int n0,
     int k0, int k1, int first, int last, const int ROWS) {
-  __m512 acc[FB_ROWS][4];
+  __m512 acc[FB_ROWS][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
