@@ -5,8 +5,9 @@ converted to F32 / BF16 GGUF) and the same work (prompt ids, exact output length
 llama.cpp (llama-cpp-python 0.3.36, built from source for this CPU) lives in its own venv
 (.venv-llamacpp/, built by scripts/bench/setup_llamacpp.sh, which also converts the model) and
 runs in its own process (benchmarks/llamacpp_worker.py): this side only finds the venv and the
-GGUF, writes a job file, starts the worker and reads its result file. Where either is missing,
-the one-line hint says how to set it up.
+GGUF, writes a job file, starts the worker and reads its result file (bench.py), or asks it for
+one step at a time (StepPeer, step_times.py). Where either is missing, the one-line hint says
+how to set it up.
 """
 
 from __future__ import annotations
@@ -80,22 +81,75 @@ def run_worker(job: dict, venv: Path = VENV) -> dict:
 
 # --- step mode (scripts/bench/step_times.py) ------------------------------------------------
 
-def step_job(gguf: Path, rows: list[int], context: int, steps: int, num_threads: int,
-             kv_type: str | None = None) -> dict:
-    return {"mode": "step", "gguf": str(gguf), "rows": rows, "context": context,
-            "steps": steps, "threads": num_threads, **options(),
-            **({"kv_type": kv_type} if kv_type else {})}
+def step_job(gguf: Path, context: int, num_threads: int, kv_type: str | None = None) -> dict:
+    return {"mode": "step", "gguf": str(gguf), "context": context, "threads": num_threads,
+            **options(), **({"kv_type": kv_type} if kv_type else {})}
 
 
-def step_times(model_dir: str, dtype: str, rows: list[int], context: int, steps: int,
-               num_threads: int, kv_type: str | None = None, venv: Path = VENV) -> dict:
-    """llama.cpp's decode step at each row count: {"rows": {"16": {"median_ms", "best_ms"}},
-    ...}; raises with the hint if it is not set up."""
-    why_not = unavailable(model_dir, dtype, venv)
-    if why_not:
-        raise RuntimeError(why_not)
-    return run_worker(step_job(gguf_path(model_dir, dtype), rows, context, steps, num_threads,
-                               kv_type), venv)
+class StepPeer:
+    """llama.cpp's decode step on demand, in its worker process (the worker's step mode):
+    step_times.py times one of its steps between each of nanoserve's, so that both engines meet
+    this VM's memory rate in the same moments (it drifts 40-85 GB/s within minutes: two runs a
+    minute apart could differ by a third). `info`: llama-cpp-python's version, threads, KV type,
+    flash attention, system info."""
+
+    def __init__(self, gguf: Path, context: int, num_threads: int, kv_type: str | None = None,
+                 venv: Path = VENV, worker: Path = WORKER) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-llamacpp-")
+        job, self.log = Path(self.tmp.name) / "job.json", Path(self.tmp.name) / "stderr"
+        job.write_text(json.dumps(step_job(gguf, context, num_threads, kv_type)))
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(worker), str(job),
+                                          "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=os.environ)
+        try:
+            self.info = json.loads(self.read())
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"the llama.cpp worker failed (exit {self.proc.returncode}):\n"
+                               f"{tail}")
+        return line.strip()
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def rows(self, rows: int) -> None:
+        """From now on each step decodes `rows` sequences (prefilled now, untimed)."""
+        if (answer := self.ask(f"rows {rows}")) != "ready":
+            raise RuntimeError(f"the llama.cpp worker answered {answer!r} to rows {rows}")
+
+    def step(self) -> float:
+        """One step's seconds, as the worker timed it (llama_decode and the argmax)."""
+        return float(self.ask("step"))
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()  # end of input: the worker returns
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.tmp.cleanup()
+
+    def __enter__(self) -> StepPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # --- workload mode (bench.py) ---------------------------------------------------------------

@@ -7,12 +7,16 @@ benchmarks/llamacpp_system.py writes the job file and reads the result file:
 
 Two modes (job["mode"]):
 
-  step      decode step time, for scripts/bench/step_times.py: for each row count R, R sequences
-            prefilled to `context` tokens (the same token ids as step_times' nanoserve rows),
-            then timed steps in which every sequence decodes one token at exactly `context`
-            tokens of context (one llama_decode of an R-token batch, then the logits' argmax;
-            the decoded token is removed again after each step, untimed, as step_times re-runs
-            the same batch). Median and best ms over `steps`, after two warm-up steps.
+  step      decode step time, for scripts/bench/step_times.py, one step at a time between
+            nanoserve's (so that both engines meet the machine in the same moments): commands on
+            standard input, a line each, answered a line each on standard output (the worker's
+            own prints and llama.cpp's go to standard error). First the worker answers with its
+            info (one JSON line); then "rows R": R sequences prefilled to `context` tokens (the
+            same token ids as step_times' nanoserve rows), answered "ready"; "step": one timed
+            step in which every sequence decodes one token at exactly `context` tokens of
+            context (one llama_decode of an R-token batch, then the logits' argmax; the decoded
+            token is removed again, untimed, as step_times re-runs the same batch), answered with
+            its seconds. End of input ends it. No result file.
   workload  bench.py's `llamacpp` system: the prompt ids and exact output lengths of a
             workload, served with continuous batching the way llama.cpp's server runs its slots:
             max_num_seqs sequence ids; each step is one llama_decode holding one token for every
@@ -31,11 +35,12 @@ that its plumbing is tested in nanoserve's venv.
 from __future__ import annotations
 
 import json
-import statistics
+import os
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TextIO
 
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type values (ggml.h)
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
@@ -222,31 +227,34 @@ def prefill(engine: Engine, rows: int, context: int) -> None:
         engine.decode(entries[i:i + engine.n_batch])
 
 
-def run_steps(job: dict) -> dict:
-    rows_list, context, steps = job["rows"], job["context"], job["steps"]
-    t0 = time.perf_counter()
+def run_steps(job: dict, commands: TextIO, replies: TextIO) -> None:
+    """Step mode's loop (the module's docstring): `commands` in, a line out for each."""
+    context = job["context"]
     options = job.get("kv_type"), job.get("flash_attn") or "auto"
-    engine = Engine(job["gguf"], rows_list[0], context + 1, max(512, rows_list[0]),
-                    job["threads"], *options)
-    startup = time.perf_counter() - t0
-    out = {}
-    for rows in rows_list:
-        engine.new_context(rows, context + 1, max(512, rows), job["threads"], *options)
-        prefill(engine, rows, context)
-        batch = [(r, step_tokens(r, context)[context], context, True) for r in range(rows)]
-        times = []
-        for step in range(steps + 2):  # two warm-up steps
+    t0 = time.perf_counter()
+    engine = Engine(job["gguf"], 1, context + 1, 512, job["threads"], *options)
+    info = {"startup_s": time.perf_counter() - t0, "threads": job["threads"], **engine.info()}
+    replies.write(json.dumps(info) + "\n")
+    replies.flush()
+    batch: list[tuple[int, int, int, bool]] = []
+    for line in commands:
+        command, *arg = line.split()
+        if command == "rows":
+            rows = int(arg[0])
+            engine.new_context(rows, context + 1, max(512, rows), job["threads"], *options)
+            prefill(engine, rows, context)
+            batch = [(r, step_tokens(r, context)[context], context, True) for r in range(rows)]
+            answer = "ready"
+        elif command == "step" and batch:
             t = time.perf_counter()
             engine.decode(batch)
-            dt = time.perf_counter() - t
-            for r in range(rows):
-                engine.drop(r, context)  # back to `context` tokens: the same step again
-            if step >= 2:
-                times.append(dt)
-        out[str(rows)] = {"median_ms": statistics.median(times) * 1e3,
-                          "best_ms": min(times) * 1e3, "steps": len(times)}
-    return {"mode": "step", "startup_s": startup, "context": context,
-            "threads": job["threads"], "rows": out, **engine.info()}
+            answer = repr(time.perf_counter() - t)
+            for seq, _, _, _ in batch:
+                engine.drop(seq, context)  # back to `context` tokens: the same step again
+        else:
+            raise SystemExit(f"unknown command {line.strip()!r} (rows R, then step)")
+        replies.write(answer + "\n")
+        replies.flush()
 
 
 def run_workload(job: dict) -> dict:
@@ -291,12 +299,16 @@ def run_workload(job: dict) -> dict:
 
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
-    runs = {"step": run_steps, "workload": run_workload}
-    if job.get("mode") not in runs:
-        raise SystemExit(f"unknown mode {job.get('mode')!r}; choose from {sorted(runs)}")
-    result = runs[job["mode"]](job)
+    if job.get("mode") == "step":
+        # The answers on a copy of standard output; fd 1 itself then goes to standard error, so
+        # that nothing llama.cpp prints from C can get between them.
+        replies = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        return run_steps(job, sys.stdin, replies)
+    if job.get("mode") != "workload":
+        raise SystemExit(f"unknown mode {job.get('mode')!r}; choose from step, workload")
     with open(result_path, "w") as f:
-        json.dump(result, f)
+        json.dump(run_workload(job), f)
 
 
 if __name__ == "__main__":

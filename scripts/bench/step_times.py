@@ -17,16 +17,16 @@ before the steps may belong to another moment).
 
 The llama.cpp columns: the same rows, dtype and context on llama.cpp (the same weights as GGUF,
 benchmarks/llamacpp_worker.py's step mode: one llama_decode of an R-token batch plus the argmax,
-wall time, as many threads as torch uses here), in its own process, run before nanoserve's rows
-of that dtype (not interleaved). Set it up once with `bash scripts/bench/setup_llamacpp.sh`;
-without it the columns show "-" and one line says so.
+wall time, as many threads as torch uses here), in its own process, one of its steps timed
+between each of nanoserve's (interleaved as the variants are; both engines' weights are in memory
+at once). Set it up once with `bash scripts/bench/setup_llamacpp.sh`; without it the columns
+show "-" and one line says so.
 
     python scripts/bench/step_times.py                       # fp32 and bf16, 1/16/64 rows
     python scripts/bench/step_times.py --dtypes float32 --rows 16 --steps 30
     python scripts/bench/step_times.py --cpu-time --threads 1  # on a shared, busy machine
     python scripts/bench/step_times.py --model DIR              # e.g. scripts/bench/make_model.py's
     python scripts/bench/step_times.py --rows 1 --rounds 3 --no-eager  # llama.cpp and nanoserve
-        # alternating: this VM's memory rate drifts between the two engines' runs
     python scripts/bench/step_times.py --context 4096 --rows 1,16  # long context: KV in the bound
     python scripts/bench/step_times.py --model DIR --tensor-parallel-size 2 --no-llamacpp
         # the optimized path on 2 ranks, each with its share of the cores (no eager column);
@@ -134,6 +134,7 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
 
 
 READ_BYTES = 256 << 20  # far past the caches
+SETTLE_S = 0.02  # before each llama.cpp step, see main()
 
 
 @functools.cache
@@ -156,25 +157,26 @@ def weight_stream_ms(weight_bytes: int, repeats: int = 10) -> tuple[float, float
     return weight_bytes / rate * 1e3, rate / 1e9
 
 
-def llama_steps(dtype: str, rows_list: list[int], args) -> dict:
-    """llama.cpp's step at each row count, {"16": {"median_ms", "best_ms"}}; {} (and one line
-    saying why) where it is not set up, left out or fails."""
+def llama_peer(dtype: str, args) -> llamacpp_system.StepPeer | None:
+    """llama.cpp on the same weights, stepping on demand; None (and one line saying why) where
+    it is not set up, left out or fails."""
     if args.no_llamacpp:
-        return {}
+        return None
     why_not = llamacpp_system.unavailable(args.model, dtype)
     if why_not:
         print(f"llama.cpp {dtype}: skipped: {why_not}")
-        return {}
+        return None
     try:
-        data = llamacpp_system.step_times(args.model, dtype, rows_list, args.context,
-                                          args.steps, torch.get_num_threads())
+        peer = llamacpp_system.StepPeer(llamacpp_system.gguf_path(args.model, dtype),
+                                        args.context, torch.get_num_threads())
     except RuntimeError as e:
         print(f"llama.cpp {dtype}: failed: {' / '.join(str(e).splitlines()[-3:])}")
-        return {}
-    print(f"llama.cpp {dtype}: llama-cpp-python {data['llama_cpp_python']}, {data['threads']} "
-          f"threads, wall time, KV cache {data['kv_type']}, flash attention {data['flash_attn']}, "
-          f"{data['system_info']}")
-    return data["rows"]
+        return None
+    info = peer.info
+    print(f"llama.cpp {dtype}: llama-cpp-python {info['llama_cpp_python']}, {info['threads']} "
+          f"threads, wall time, KV cache {info['kv_type']}, flash attention {info['flash_attn']}, "
+          f"{info['system_info']}")
+    return peer
 
 
 def main() -> None:
@@ -211,8 +213,8 @@ def main() -> None:
               "% of roofline | best optimized ms | % of roofline, best | % of the GEMM between |"
               " llama.cpp ms | best llama.cpp ms | opt/llama.cpp | opt / read bound |"
               " opt / read between |")
-    for dtype in args.dtypes.split(",") * args.rounds:  # llama.cpp, then nanoserve, each round
-        peer = llama_steps(dtype, rows_list, args)
+    for dtype in args.dtypes.split(",") * args.rounds:
+        peer = llama_peer(dtype, args)
         print(header, "|---" * header.count("|", 1) + "|", sep="\n")
         variants = ((("optimized", True),) if tp > 1 or args.no_eager
                     else (("eager", False), ("optimized", True)))
@@ -231,9 +233,21 @@ def main() -> None:
         gflops, gemm_flops = gflops * tp, gemm_flops * tp
         for rows in rows_list:
             outs = {name: decode_batch(r, rows, args.context) for name, r in runners.items()}
-            times: dict[str, list[float]] = {name: [] for name in (*runners, "gemm", "read")}
+            names = ("llama.cpp",) * (peer is not None) + (*runners, "gemm", "read")
+            times: dict[str, list[float]] = {name: [] for name in names}
+            if peer:
+                peer.rows(rows)
             for step in range(args.steps + 2):  # two warm-up steps
-                for name in (*runners, "gemm", "read"):
+                for name in names:
+                    if name == "llama.cpp":
+                        # Both engines' OpenMP threads spin for a few ms after a parallel
+                        # region (~8 ms of CPU time measured here): neither steps beside them.
+                        time.sleep(SETTLE_S)
+                        seconds = peer.step()
+                        time.sleep(SETTLE_S)
+                        if step >= 2:
+                            times[name].append(seconds)
+                        continue
                     t = clock()
                     if name == "gemm":
                         gemm()
@@ -254,9 +268,9 @@ def main() -> None:
             read_ms = step_bytes / weight_bytes * stream_ms
             read_between_ms = (step_bytes / READ_BYTES
                                * statistics.median(times["read"]) * 1e3)
-            theirs = peer.get(str(rows))
-            peer_cols = ("- | - | -" if theirs is None else f"{theirs['median_ms']:.1f} | "
-                         f"{theirs['best_ms']:.1f} | {opt / theirs['median_ms']:.2f}")
+            theirs = times.get("llama.cpp")
+            peer_cols = ("- | - | -" if not theirs else f"{statistics.median(theirs) * 1e3:.1f} | "
+                         f"{min(theirs) * 1e3:.1f} | {opt / statistics.median(theirs) / 1e3:.2f}")
             eager_ms, ratio = ("-", "-") if eager is None else (f"{eager:.1f}",
                                                                 f"{opt / eager:.2f}")
             print(f"| {dtype} | {rows} | {eager_ms} | {opt:.1f} | {ratio} | "
@@ -265,6 +279,8 @@ def main() -> None:
                   f"{peer_cols} | {opt / read_ms:.2f} | {opt / read_between_ms:.2f} |")
         for runner in runners.values():
             runner.shutdown()
+        if peer:
+            peer.close()
         print(f"(roofline {dtype}: GEMM {gflops:.0f} GFLOP/s, {params / 1e6:.0f} M params: "
               f"{gflops * 1e9 / (2 * params):.0f} tok/s; weight-streaming bound: "
               f"{weight_bytes / 1e6:.0f} MB of weights at {read_rate:.1f} GB/s (best read) = "

@@ -6,6 +6,7 @@ reused sequence id starts empty, no more sequences or tokens than the context al
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from benchmarks import llamacpp_system, llamacpp_worker, report
 from benchmarks.llamacpp_system import (
     LlamaCpp,
+    StepPeer,
     gguf_path,
     llamacpp_job,
     llamacpp_result,
@@ -163,15 +165,73 @@ def test_workload_job_runs_through_the_worker_and_back(tmp_path, monkeypatch):
         llamacpp_result({**data, "token_ids": [[7]] + data["token_ids"][1:]}, wl)
 
 
-def test_step_job_keeps_every_row_at_the_same_context(tmp_path, monkeypatch):
-    monkeypatch.setattr(llamacpp_worker, "Engine", FakeEngine)
+def test_step_mode_answers_each_command_and_keeps_every_row_at_the_same_context(monkeypatch):
+    engines = []
+    monkeypatch.setattr(llamacpp_worker, "Engine",
+                        lambda *a: engines.append(FakeEngine(*a)) or engines[-1])
     monkeypatch.setenv("NANOSERVE_LLAMACPP_FLASH_ATTN", "off")
-    job = step_job(Path("/m/x-bf16.gguf"), [1, 4], 20, 3, 2)
+    job = step_job(Path("/m/x-bf16.gguf"), 20, 2)
     assert job["flash_attn"] == "off" and job["kv_type"] is None  # llama.cpp's default KV
-    data = llamacpp_worker.run_steps(json.loads(json.dumps(job)))
-    assert data["mode"] == "step" and set(data["rows"]) == {"1", "4"}
-    for row in data["rows"].values():
-        assert row["steps"] == 3 and 0 <= row["best_ms"] <= row["median_ms"]
+    replies = io.StringIO()
+    llamacpp_worker.run_steps(json.loads(json.dumps(job)),
+                              io.StringIO("rows 1\nstep\nstep\nrows 4\nstep\n"), replies)
+    info, *answers = replies.getvalue().splitlines()
+    assert json.loads(info)["threads"] == 2 and json.loads(info)["llama_cpp_python"] == "fake"
+    assert [a for a in answers if a == "ready"] == ["ready", "ready"] and len(answers) == 5
+    assert all(float(a) >= 0 for a in answers if a != "ready")
+    steps = [b for b in engines[0].batches if len(b) in (1, 4) and b[0][2] == 20]
+    assert len(steps) == 3  # every step at exactly 20 tokens of context: each decoded one dropped
+    assert all(pos == 20 and logits for b in steps for _, _, pos, logits in b)
+    with pytest.raises(SystemExit, match="unknown command 'step'"):  # a step before any rows
+        llamacpp_worker.run_steps(job, io.StringIO("step\n"), io.StringIO())
+
+
+FAKE_WORKER = """
+import os, sys
+sys.path.insert(0, {root!r})
+from benchmarks import llamacpp_worker
+
+class Engine:  # what the step mode calls; its prints on fd 1 must not reach the answers
+    n_batch = 512
+    def __init__(self, *args):
+        pass
+    def new_context(self, *args):
+        pass
+    def decode(self, entries):
+        os.write(1, b"llama.cpp's own print\\n")
+        if entries[0][1] == {crash}:
+            os._exit(3)
+        return [7] * sum(1 for e in entries if e[3])
+    def drop(self, seq, from_pos=-1):
+        pass
+    def info(self):
+        return {{"llama_cpp_python": "fake", "threads": 1}}
+
+llamacpp_worker.Engine = Engine
+llamacpp_worker.main(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_step_peer_steps_the_worker_process_on_demand(tmp_path, crash):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    worker = tmp_path / "worker.py"
+    # crash: the worker dies in its first decode (a token it is given: step_tokens(0, 8)[8])
+    worker.write_text(FAKE_WORKER.format(root=str(ROOT), crash=llamacpp_worker.step_tokens(
+        0, 8)[8] if crash else -1))
+    with StepPeer(tmp_path / "x.gguf", 8, 1, venv=venv, worker=worker) as peer:
+        assert peer.info["llama_cpp_python"] == "fake"
+        peer.rows(1)
+        if crash:
+            with pytest.raises(RuntimeError, match="exit 3"):
+                peer.step()
+            return
+        assert all(peer.step() >= 0 for _ in range(3))
+        peer.rows(2)
+        assert peer.step() >= 0
+    assert peer.proc.returncode == 0  # end of input ended it
 
 
 def test_unknown_mode_is_refused(tmp_path):
@@ -216,12 +276,12 @@ def test_step_times_skips_llamacpp_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(llamacpp_system, "unavailable",
                         lambda m, d: unavailable(m, d, venv=tmp_path / "no-venv"))
     args = SimpleNamespace(no_llamacpp=False, context=240, steps=2, model="/m/SmolLM2")
-    assert step_times.llama_steps("float32", [1, 16], args) == {}
+    assert step_times.llama_peer("float32", args) is None
     lines = capsys.readouterr().out.splitlines()
     why = unavailable("/m/SmolLM2", "float32", venv=tmp_path / "no-venv")
     assert lines == [f"llama.cpp float32: skipped: {why}"]
     assert HINT in lines[0]
-    assert step_times.llama_steps("float32", [1], SimpleNamespace(no_llamacpp=True)) == {}
+    assert step_times.llama_peer("float32", SimpleNamespace(no_llamacpp=True)) is None
 
 
 def test_step_times_help_works():
