@@ -115,7 +115,11 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
  * thread) but is far slower at a few rows; the plain weight beside the reordered one would hold
  * the weights twice. */
 enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
-enum { FB_PREFETCH = 2048 }; /* bytes ahead in the column block's stream (8 k) */
+/* Bytes ahead in the column block's stream: 8 k where the weights' chunk is read again for more
+ * blocks of rows (it should stay in L2); 32 k, non-temporal, where the rows are one block and W is
+ * read once (dpbf16.c's BLOCKED_PREFETCH says why; SmolLM2-135M one row 0.97-0.98 of the step
+ * with 2048 as T0 in 3 runs, Llama-3.2-1B level). */
+enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 8192 };
 
 /* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in
  * [k0, k1); `first`: the sums start at 0, else at y; `last`: add the bias. Always inlined: ROWS
@@ -123,7 +127,7 @@ enum { FB_PREFETCH = 2048 }; /* bytes ahead in the column block's stream (8 k) *
 enum { NV = FB_COLS / 16 };
 static inline __attribute__((always_inline)) void blocked_rows(
     const float* x, const float* wb, const float* bias, float* y, int N, int K, int m0, int n0,
-    int k0, int k1, int first, int last, const int ROWS) {
+    int k0, int k1, int first, int last, const int ROWS, const int once) {
   __m512 acc[FB_ROWS][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -135,8 +139,10 @@ static inline __attribute__((always_inline)) void blocked_rows(
   for (int k = k0; k < k1; ++k) {
     const float* wk = wb + (int64_t)k * FB_COLS;
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c)
-      __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
+    for (int c = 0; c < NV; ++c) {
+      if (once) __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH_ONCE, 0, 0);
+      else __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
+    }
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
       const __m512 wv = _mm512_loadu_ps(wk + 16 * c);
@@ -165,8 +171,11 @@ static void blocked_task(const float* x, const float* wb, const float* bias, flo
     const int k1 = K - k0 < chunk ? K : k0 + chunk;
     for (int m0 = 0; m0 < M; m0 += FB_ROWS) {
       const int rows = M - m0 < FB_ROWS ? M - m0 : FB_ROWS;
-#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, k0, k1, k0 == 0, k1 == K, R)
-      BY_ROWS(rows, FB_ROWS, BLOCKED);
+#define BLOCKED(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, k0, k1, k0 == 0, k1 == K, R, 0)
+#define ONCE(R) blocked_rows(x, wb, bias, y, N, K, m0, n0, 0, K, 1, 1, R, 1)
+      if (M <= FB_ROWS) BY_ROWS(rows, FB_ROWS, ONCE); /* one block of rows: W read once */
+      else BY_ROWS(rows, FB_ROWS, BLOCKED);
+#undef ONCE
 #undef BLOCKED
     }
   }
