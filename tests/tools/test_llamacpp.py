@@ -290,3 +290,11 @@ def test_step_times_help_works():
     out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/step_times.py"), "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--no-llamacpp" in out and "llama.cpp" in out
+
+
+def test_kernel_ab_help_works():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/kernel_ab.py"), "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "rotates" in out and "csrc" in out
