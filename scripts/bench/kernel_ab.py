@@ -30,11 +30,12 @@ import step_times  # noqa: E402
 
 from nanoserve.entrypoints.bundled import default_model_dir  # noqa: E402
 from nanoserve.utils import cpu  # noqa: E402
-from nanoserve_accel import kernels  # noqa: E402
 
 
 def build(csrc: Path) -> ctypes.CDLL:
     """csrc's kernels with the engine's flags, into a library of its own (never the cache's)."""
+    from nanoserve_accel import kernels
+
     sources = sorted(csrc.glob("*.c"))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in [csrc / "kernels.h", *sources]))
     target = Path(tempfile.gettempdir()) / f"nanoserve-kernel-ab-{key.hexdigest()[:16]}.so"
@@ -57,6 +58,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=240)
     ap.add_argument("--steps", type=int, default=150, help="rounds: one step of each build")
     args = ap.parse_args()
+    try:
+        import nanoserve_accel  # noqa: F401
+    except ImportError:
+        raise SystemExit("kernel_ab.py needs the fast-path plugin (nanoserve_accel)") from None
     runner = step_times.make_runner(args.model or default_model_dir(), args.dtype, args.rows,
                                     args.context, None, True)
     model, head = runner.model.model, runner.model.lm_head
