@@ -24,8 +24,6 @@ from torch import nn
 from nanoserve.entrypoints.bundled import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = sorted(CSRC.glob("*.c"))
-HEADER = CSRC / "kernels.h"  # what they share
 # -march=native: this machine's vector width; -fopenmp: the work split over all cores;
 # -fno-trapping-math: lets the softmax's exp loop become vector code (no FP traps are used).
 # NANOSERVE_KERNEL_CFLAGS adds flags (`make test-sanitize`: AddressSanitizer and UBSan); they
@@ -51,15 +49,17 @@ OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
 
 
 @functools.cache  # once per process
-def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
-    """The kernels, built once into the cache (keyed by source, flags, -march=native), or None."""
+def compile_kernels(compiler: str = "cc", csrc: Path = CSRC) -> ctypes.CDLL | None:
+    """The kernels, built once into the cache (keyed by source, flags, -march=native), or None.
+    `csrc`: another copy of the sources (scripts/bench/kernel_ab.py builds changed ones)."""
+    sources, header = sorted(csrc.glob("*.c")), csrc / "kernels.h"  # the header they share
     log = logging.getLogger("nanoserve")
     if shutil.which(compiler) is None:
         log.warning("CPU kernels: no C compiler %r; the fast path uses torch's kernels", compiler)
         return None
     native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
                             capture_output=True, text=True).stdout  # its macros: __AVX2__...
-    texts = [path.read_text() for path in [HEADER, *SOURCES]]
+    texts = [path.read_text() for path in [header, *sources]]
     key = hashlib.sha256("\n".join([*texts, *FLAGS, native]).encode()).hexdigest()
     cache = cache_root()
     with contextlib.suppress(OSError):
@@ -70,7 +70,7 @@ def compile_kernels(compiler: str = "cc") -> ctypes.CDLL | None:
     if not target.is_file():
         # Built as a temporary file, then renamed: no start ever loads a half-written library.
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"],
+        build = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", str(tmp), "-lm"],
                                capture_output=True, text=True)
         if build.returncode != 0:
             log.warning("CPU kernels did not compile; the fast path uses torch's kernels:"

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,19 +30,11 @@ from nanoserve.utils import cpu  # noqa: E402
 
 
 def build(csrc: Path) -> ctypes.CDLL:
-    """csrc's kernels with the engine's flags, into a library of its own (never the cache's)."""
+    """csrc's kernels, built as the engine builds its own (into the cache, keyed by source)."""
     from nanoserve_accel import kernels
 
-    sources = sorted(csrc.glob("*.c"))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in [csrc / "kernels.h", *sources]))
-    target = Path(tempfile.gettempdir()) / f"nanoserve-kernel-ab-{key.hexdigest()[:16]}.so"
-    if not target.is_file():
-        subprocess.run(["cc", *kernels.FLAGS, *map(str, sources), "-o", str(target), "-lm"],
-                       check=True)
-    lib = ctypes.CDLL(str(target))
-    for name, argtypes in {**kernels.ARGTYPES, **kernels.OPTIONAL_ARGTYPES}.items():
-        if hasattr(lib, name):
-            getattr(lib, name).argtypes = argtypes
+    if (lib := kernels.compile_kernels(csrc=csrc.resolve())) is None:
+        raise SystemExit(f"the kernels in {csrc} did not build (the log says why)")
     return lib
 
 
