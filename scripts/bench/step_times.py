@@ -137,7 +137,7 @@ def gemm_gflops(dtype: torch.dtype, clock, repeats: int = 40):
 
 
 READ_BYTES = 256 << 20  # far past the caches
-SETTLE_S = 0.02  # before each llama.cpp step, see main()
+SETTLE_S = 0.02  # sleep on either side of a llama.cpp step (main() says why)
 
 
 @functools.cache
