@@ -5,7 +5,8 @@ overhead was about a tenth of the step. The C calls the same kernels in the same
 computes the same values. It runs only where it can (every row decodes one token, and each of
 the layer's linears takes a C GEMM at that row count); otherwise the modules run as before.
 It replaces each DecoderLayer, after replace_linears and fuse_elementwise; where it replaced
-them all, the DecoderModel runs them in one C call a step (FusedDecoderModel)."""
+them all, the DecoderModel runs them, with the embedding and the final norm, in one C call a
+step (FusedDecoderModel)."""
 
 from __future__ import annotations
 
@@ -60,15 +61,20 @@ class FusedDecoderLayer(nn.Module):
     def takes(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               meta: AttentionMetadata, max_rows: int) -> bool:
         """Whether the C runs this step: decode rows only, at most max_rows, as it lays them out."""
-        n, cache = x.shape[0], self.attn.k_cache
+        return not (x.dtype != self.dtype or cos.dtype != x.dtype or sin.dtype != x.dtype
+                    or not all(t.is_contiguous() for t in (x, cos, sin))
+                    or not self.takes_step(x.shape[0], meta, max_rows))
+
+    def takes_step(self, n: int, meta: AttentionMetadata, max_rows: int) -> bool:
+        """takes()'s checks of the step's n rows and metadata (decode_model makes x, cos, sin)."""
+        cache = self.attn.k_cache
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
         return not (meta.num_decode_tokens != n or n > max_rows  # prefill rows: the modules
-                    or x.dtype != self.dtype or cache.dtype != self.dtype or cos.dtype != x.dtype
-                    or sin.dtype != x.dtype or tables.dtype != torch.int32
+                    or cache.dtype != self.dtype or tables.dtype != torch.int32
                     or lens.dtype != torch.int32 or slots.dtype != torch.int64
                     or tables.shape[0] != n or lens.shape != (n,) or slots.shape != (n,)
                     or cache.dim() != 4
-                    or not all(t.is_contiguous() for t in (x, cos, sin, tables, lens, slots)))
+                    or not all(t.is_contiguous() for t in (tables, lens, slots)))
 
     def bind_cache(self) -> None:
         """The cache's fields of `args`, from the attention's cache as bound now."""
@@ -89,9 +95,14 @@ class FusedDecoderLayer(nn.Module):
 
 def step_pointers(cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> tuple:
     """decode_layer's arguments after x and out."""
+    return cos.data_ptr(), sin.data_ptr(), *meta_pointers(meta)
+
+
+def meta_pointers(meta: AttentionMetadata) -> tuple:
+    """decode_layer's (and decode_model's) arguments from the metadata: slots to the end."""
     tables = meta.decode_block_tables
-    return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-            meta.decode_context_lens.data_ptr(), tables.shape[0], tables.shape[1])
+    return (meta.slot_mapping.data_ptr(), tables.data_ptr(), meta.decode_context_lens.data_ptr(),
+            tables.shape[0], tables.shape[1])
 
 
 def check(bad: int) -> bool:
@@ -102,10 +113,18 @@ def check(bad: int) -> bool:
     return bad < 0
 
 
+class ModelArgs(ctypes.Structure):
+    """csrc/layer.c's `struct model`."""
+
+    _fields_ = [("embed", _P), ("cos", _P), ("sin", _P), ("norm", _P), ("vocab", _I),
+                ("max_positions", _I)]
+
+
 class FusedDecoderModel(nn.Module):
-    """DecoderModel.forward with all its layers in one C call (csrc/layer.c's decode_layers) on
-    the steps every layer's C takes: one crossing from Python a step, not one a layer. The same
-    modules as the DecoderModel it replaces, under the same names."""
+    """DecoderModel.forward in one C call (csrc/layer.c's decode_model: the embedding, cos and
+    sin, all the layers and the final norm) on the steps every layer's C takes: one crossing
+    from Python a step, not one a layer. The same modules as the DecoderModel it replaces, under
+    the same names."""
 
     def __init__(self, plain: DecoderModel, lib: ctypes.CDLL) -> None:
         super().__init__()
@@ -116,24 +135,53 @@ class FusedDecoderModel(nn.Module):
             *(ctypes.addressof(layer.args) for layer in self.fused))
         self.max_rows = min(layer.max_rows for layer in self.fused)
         self.bound: torch.Tensor | None = None  # layer 0's k_cache when the args were bound
+        self.model_args, self.tables = ModelArgs(), None  # set by bind_model
+
+    def bind_model(self) -> bool:
+        """The model's fields of decode_model's arguments, from its modules as they are now (the
+        loader may have rebuilt the rotary tables); False where the C cannot take them."""
+        embed, rope, dtype = self.embed_tokens.weight, self.rotary_emb, self.fused[0].dtype
+        tables = (rope.cos_cache, rope.sin_cache)
+        if (type(self.embed_tokens) is not nn.Embedding or embed.dtype != dtype
+                or not embed.is_contiguous() or type(self.norm) is not FusedRMSNorm
+                or self.norm.weight.dtype != dtype
+                or any(t.dtype != torch.float32 or not t.is_contiguous()
+                       or t.shape[1:] != (self.fused[0].args.D,) for t in tables)):
+            return False
+        self.model_args = ModelArgs(embed.data_ptr(), tables[0].data_ptr(),
+                                    tables[1].data_ptr(), self.norm.weight.data_ptr(),
+                                    embed.shape[0], tables[0].shape[0])
+        self.tables = tables
+        return True
+
+    def bound_tables(self) -> bool:
+        """Whether model_args holds the rotary tables the module holds now."""
+        rope, tables = self.rotary_emb, self.tables
+        return tables is not None and rope.cos_cache is tables[0] and rope.sin_cache is tables[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        done = 0
-        if self.fused[0].takes(x, cos, sin, meta, self.max_rows):
+        done, x = 0, None
+        if (input_ids.dtype == positions.dtype == torch.int64 and input_ids.is_contiguous()
+                and positions.is_contiguous()
+                and self.fused[0].takes_step(input_ids.shape[0], meta, self.max_rows)
+                and (self.bound_tables() or self.bind_model())):
             if self.fused[0].attn.k_cache is not self.bound:  # the runner binds all at once
                 for layer in self.fused:
                     layer.bind_cache()
                 self.bound = self.fused[0].attn.k_cache
-            out, ran = torch.empty_like(x), ctypes.c_int(0)
-            bad = self.lib.decode_layers(self.args, len(self.fused), x.data_ptr(),
-                                         out.data_ptr(), *step_pointers(cos, sin, meta),
-                                         ctypes.byref(ran))
+            x = self.embed_tokens.weight.new_empty(len(input_ids), self.norm.weight.shape[0])
+            ran = ctypes.c_int(0)
+            bad = self.lib.decode_model(ctypes.byref(self.model_args), self.args, len(self.fused),
+                                        input_ids.data_ptr(), positions.data_ptr(), x.data_ptr(),
+                                        *meta_pointers(meta), ctypes.byref(ran))
+            if bad == -1:
+                return x
             check(bad)
-            done = ran.value
-            x = out if done else x  # up to the refused layer (its modules raise)
+            done = ran.value  # a refused layer (its modules raise); -3: a bad id or position
+        if not done:
+            x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.fused[done:]:
             x = layer(x, cos, sin, meta)
         return self.norm(x)

@@ -30,7 +30,7 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
 
 class Counting:
-    """The kernel library, counting the layers its decode_layer and decode_layers calls ran."""
+    """The kernel library, counting the layers its decode_layer and decode_model calls ran."""
 
     def __init__(self, lib) -> None:
         self.lib, self.calls, self.model_calls = lib, 0, 0
@@ -42,9 +42,9 @@ class Counting:
         self.calls += 1
         return self.lib.decode_layer(*args)
 
-    def decode_layers(self, *args):
+    def decode_model(self, *args):
         self.model_calls += 1
-        status = self.lib.decode_layers(*args)
+        status = self.lib.decode_model(*args)
         self.calls += args[-1]._obj.value  # `done`, by reference
         return status
 
@@ -160,6 +160,38 @@ def test_bad_slots_and_block_ids_raise_the_modules_errors(dtype):
     meta.decode_block_tables[0, 1] = NUM_BLOCKS  # the block the context reaches into
     with pytest.raises(ValueError, match="block"), torch.inference_mode():
         model(inputs.input_ids, inputs.positions, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bad_token_ids_and_positions_raise_the_modules_errors(dtype):
+    """decode_model refuses them before it writes anything; the modules then raise."""
+    modules, model = fast_model(CONFIGS[0], dtype, False), fast_model(CONFIGS[0], dtype, True)
+    counting = count_calls(model)
+    for m in (modules, model):
+        forward(m, STEPS[0])
+    for field, bad in (("input_ids", SMALL["vocab_size"]),
+                       ("positions", SMALL["max_position_embeddings"])):
+        inputs = make_inputs(STEPS[1], BLOCK_SIZE)
+        getattr(inputs, field)[0] = bad
+        for m in (modules, model):
+            with pytest.raises(IndexError), torch.inference_mode():
+                m(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    assert counting.calls == 0 and counting.model_calls == 2
+    assert torch.equal(forward(model, STEPS[1]), forward(modules, STEPS[1]))  # still serving
+
+
+def test_rebuilt_rotary_tables_are_bound_again():
+    modules, model = fast_model(CONFIGS[0], torch.float32, False), fast_model(
+        CONFIGS[0], torch.float32, True)
+    counting = count_calls(model)
+    for m in (modules, model):
+        forward(m, STEPS[0])
+    assert torch.equal(forward(model, STEPS[1]), forward(modules, STEPS[1]))
+    for m in (modules, model):  # as the loader does on the model's device, base changed
+        m.model.rotary_emb.base = 500.0
+        m.model.rotary_emb.reset_cache()
+    assert torch.equal(forward(model, STEPS[2]), forward(modules, STEPS[2]))
+    assert counting.model_calls == 2 and counting.calls == 2 * CONFIGS[0].num_hidden_layers
 
 
 def test_the_input_rows_are_not_written():
