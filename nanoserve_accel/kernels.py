@@ -36,8 +36,7 @@ ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5
             "linear_panels": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [],
             "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,
-            "silu_mul": [_P] * 2 + [_I] * 3, "row_max": [_P] * 3 + [_I, _I64, _I],
-            "decode_layer": [_P] * 8 + [_I, _I],
+            "silu_mul": [_P] * 2 + [_I] * 3, "decode_layer": [_P] * 8 + [_I, _I],
             "decode_layers": [_P, _I] + [_P] * 7 + [_I, _I, _P],
             "decode_model": [_P, _P, _I] + [_P] * 6 + [_I, _I, _P]}
 # Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c, csrc/attention_prefill.c),

@@ -1,11 +1,9 @@
-"""§4's sampling on a CPU, cheaper. The greedy rows' maximum in one C loop (csrc/fused.c's
-row_max), where torch's reduction widened one bf16 logit at a time. Top-k and top-p among each
-row's 1024 most likely tokens, not a sort of the whole vocabulary (a CPU sorts 16 rows of 49,152
-logits in 38 ms, takes their top 1024 in 5 ms). The candidates suffice when they hold every row's
-top-k, or its top-p mass; where they do not (a flat row), the plain sort runs. Either way the
-probabilities, and so the draws (the noise is per vocabulary token), are the plain sampler's. On a
-GPU the sort is cheap and checking that the candidates suffice would cost a sync: only the CPU
-swaps them in."""
+"""§4's sampling on a CPU, cheaper: top-k and top-p among each row's 1024 most likely tokens, not
+a sort of the whole vocabulary (a CPU sorts 16 rows of 49,152 logits in 38 ms, takes their top
+1024 in 5 ms). The candidates suffice when they hold every row's top-k, or its top-p mass; where
+they do not (a flat row), the plain sort runs. Either way the probabilities, and so the draws
+(the noise is per vocabulary token), are the plain sampler's. On a GPU the sort is cheap and
+checking that the candidates suffice would cost a sync: only the CPU swaps it in."""
 
 from __future__ import annotations
 
@@ -37,22 +35,3 @@ def candidate_probs(logits: torch.Tensor, meta: SamplingMetadata, k: int = NUM_C
     if not bool((within | (mass >= need)).all()):
         return filtered_probs(logits, meta)
     return top_k_top_p(values, meta, norm), ids
-
-
-class RowMax:
-    """Sampler.row_max (torch.Tensor.max(logits, -1): values, first indices) by the C loop,
-    for contiguous float32 or bf16 rows on the CPU; anything else goes to torch."""
-
-    def __init__(self, lib) -> None:
-        self.lib = lib
-
-    def __call__(self, logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if (logits.dim() != 2 or dim not in (-1, 1) or logits.device.type != "cpu"
-                or logits.dtype not in (torch.float32, torch.bfloat16)
-                or not logits.is_contiguous()):
-            return torch.Tensor.max(logits, dim)
-        top = logits.new_empty(logits.shape[0])
-        index = torch.empty(logits.shape[0], dtype=torch.int64)
-        self.lib.row_max(logits.data_ptr(), top.data_ptr(), index.data_ptr(), logits.shape[0],
-                         logits.shape[1], logits.dtype == torch.bfloat16)
-        return top, index

@@ -1,6 +1,6 @@
 """The CPU's candidate sampler (sampler.py) against the plain one: the same probabilities, and so
 the same draws, whether the 1024 likeliest tokens suffice (peaked rows) or the whole row is sorted
-(a flat row; a top_k above 1024); and the greedy rows' C maximum against torch.max."""
+(a flat row; a top_k above 1024)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import torch
 from nanoserve import LLM
 from nanoserve.layers.sampler import Sampler, SamplingMetadata, filtered_probs
 from nanoserve.sampling_params import SamplingParams
-from nanoserve_accel import kernels
-from nanoserve_accel.sampler import RowMax, candidate_probs
+from nanoserve_accel.sampler import candidate_probs
 from tests.common.tiny_model import tiny_model_dir
 
 
@@ -52,32 +51,3 @@ def test_the_fast_path_swaps_it_in_on_a_cpu():
 
     assert filter_of() is candidate_probs
     assert filter_of(enable_fast_paths=False) is filtered_probs
-
-
-LIB = kernels.compile_kernels()
-
-
-@pytest.mark.skipif(LIB is None, reason="no C compiler here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [1, 7, 33, 49152, 100003])
-def test_the_c_row_max_is_torch_max(dtype, vocab):
-    """Values and first indices, ties (the first wins, also across the C's lanes), rows of -inf,
-    of one value, a NaN (the value NaN, as torch's; the sampler then fails that row)."""
-    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
-    logits[0, vocab // 3] = logits[0, -1] = logits[0].max() + 1  # a tie, far apart
-    logits[1] = float("-inf")
-    logits[2] = 1.0
-    logits[3, vocab // 2] = float("nan")
-    logits[4, -1] = logits[4].max() + 1  # the last (the C's scalar tail)
-    top, index = RowMax(LIB)(logits, -1)
-    want_top, want_index = torch.Tensor.max(logits, -1)
-    assert top.dtype == dtype and index.dtype == torch.int64
-    assert torch.equal(top.isnan(), want_top.isnan())
-    fine = ~want_top.isnan()
-    assert torch.equal(top[fine], want_top[fine]) and torch.equal(index[fine], want_index[fine])
-    assert RowMax(LIB)(logits[:, ::2], -1)[1].tolist() == logits[:, ::2].max(-1)[1].tolist()
-
-
-def test_the_fast_path_takes_the_greedy_rows_maximum():
-    llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
-    assert isinstance(llm.model_runner.sampler.row_max, RowMax) == (LIB is not None)
