@@ -134,8 +134,8 @@ void linear_panels(const void* x_in, const void* w, const void* bias, void* y, i
        * inlined into each and compiled as its own loop, accumulators in registers. */
       for (int m0 = 0, pass = 0, rows; m0 < M; m0 += rows, ++pass) {
         rows = block_rows(M - m0);
-        if (wide && rows == 5) gemm_block(x, wide, 0, bias, y, M, N, K, p, m0, 5, 0, 1,
-                                               pass, passes);
+        if (wide && rows == 5) gemm_block(x, wide, 0, bias, y, M, N, K, p, m0, 5, 0, 1, pass,
+                                          passes);
         else if (wide) gemm_block(x, wide, 0, bias, y, M, N, K, p, m0, 6, 0, 1, pass, passes);
         else if (bf16 && rows == 5) gemm_block(x, w, panel, bias, y, M, N, K, p, m0, 5, 1, 1,
                                                pass, passes);
