@@ -8,12 +8,14 @@ It is the only place anything is swapped in, and it swaps whole modules:
     attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c: decode;
     bf16 prefill on AVX512-BF16),
     a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c), top-k and
-    top-p filter the likeliest tokens only (sampler.py), and freed buffers stay in the heap
+    top-p filter the likeliest tokens only and each row's largest logit is found in C
+    (sampler.py, csrc/fused.c), and freed buffers stay in the heap
     (kernels.keep_freed_memory, process-wide).
 The results equal the plain path's (nanoserve_accel/tests/)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from nanoserve_accel import kernels, plan
@@ -21,7 +23,7 @@ from nanoserve_accel.fused import fuse_elementwise
 from nanoserve_accel.layer import fuse_layers
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
-from nanoserve_accel.sampler import candidate_probs
+from nanoserve_accel.sampler import c_largest, candidate_probs
 
 if TYPE_CHECKING:
     from nanoserve.engine.model_runner import ModelRunner
@@ -38,6 +40,7 @@ def optimize(runner: ModelRunner) -> None:
     runner.sampler.filter = candidate_probs  # top-k / top-p among the likeliest tokens
     if lib is None:
         return
+    runner.sampler.largest = functools.partial(c_largest, lib)  # the greedy pick
     fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
     if runner.backend.name == "torch":
         runner.backend = with_decode_kernel(runner.backend, lib)

@@ -31,8 +31,10 @@ CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          *os.environ.get("NANOSERVE_KERNEL_CFLAGS", "").split()]
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
-# The last int of each but store_kv (which copies bytes): 1 if bf16.
-ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I], "store_kv": [_P] * 5 + [_I, _I, _I64],
+# The last int of each but store_kv (which copies bytes): 1 if bf16 (paged_decode's is followed
+# by the memory to ask for while its threads wait: None, 0 from Python).
+ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I, _P, _I64],
+            "store_kv": [_P] * 5 + [_I, _I, _I64], "largest": [_P, _I, _I, _P, _P, _I],
             "linear_panels": [_P] * 4 + [_I] * 4, "has_dpbf16": [], "has_amx": [],
             "has_dot_fp32": [],
             "rms_norm": [_P] * 3 + [_I, _I, _F, _I], "qkv_rope": [_P] * 6 + [_I] * 5,

@@ -40,7 +40,8 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
         bad = lib.paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
             cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16)
+            block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16,
+            None, 0)
         if bad >= 0:  # nothing was read
             raise ValueError(f"block_table row {bad} holds block ids outside [0, {num_blocks})")
         return out

@@ -75,9 +75,10 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device).manual_seed(seed)  # the engine's
-        # What filters the rows that sample: a fast path may swap in one that computes the same
-        # probabilities faster (nanoserve_accel: among the most likely tokens only, on a CPU).
-        self.filter = filtered_probs
+        # What filters the rows that sample, and what finds each row's largest logit (max in the
+        # logits' own dtype: argmax's first maximum, without a float32 copy; NaN propagates): a
+        # fast path may swap in faster ones that compute the same (nanoserve_accel, on a CPU).
+        self.filter, self.largest = filtered_probs, lambda logits: logits.max(dim=-1)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -85,9 +86,7 @@ class Sampler:
         """logits [rows, vocab], a params and generator (or None) per row -> each row's token
         (or error message), and its logprobs (None where not asked for)."""
         meta = SamplingMetadata.build(params, generators, logits.shape[1], logits.device)
-        # max in the logits' own dtype: the same first-maximum index as argmax in float32 (the
-        # widening is exact), without a float32 copy of every row. It propagates NaN.
-        top, tokens = logits.max(dim=-1)
+        top, tokens = self.largest(logits)
         if meta.rows is not None:
             probs, ids = self.filter(logits[meta.rows].float(), meta)
             drawn = self.draw(probs, ids, logits.shape[1], meta.generators)

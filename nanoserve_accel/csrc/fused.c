@@ -109,3 +109,50 @@ void silu_mul(const void* gate_up, void* out, int n, int I, int bf16) {
   }
 }
 #pragma GCC pop_options
+
+/* ---- §4's greedy pick: each row's largest logit and the first token that holds it ----
+ * torch's max(dim=-1), which the sampler calls on every step's logits: on a CPU it is a scalar
+ * loop over each row. 2-core Zen 3 VM (AVX2), SmolLM2-135M's 49,152 logits: torch 56 us a row
+ * in bf16 (58 in float32), ~0.5 ms at 16 rows, 2.5 ms at 64; here a vector max and a scan for
+ * its first index. top [rows] (float32: NaN where the row holds a NaN, as torch's max
+ * propagates it), tokens [rows] (where the row holds a NaN: any index; the sampler replaces it). */
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* Eight lanes, each the max of every eighth logit and where it first occurs (a later equal value
+ * does not replace it); then the largest lane value and the first index among lanes holding it. */
+static inline __attribute__((always_inline)) void largest_row(const void* logits, int64_t row,
+                                                              int vocab, float* top,
+                                                              int64_t* token, const int bf16) {
+  vec8 m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+            -INFINITY};
+  i32x8 at = {0}, nan = {0}, i8 = {0, 1, 2, 3, 4, 5, 6, 7};
+  int i = 0;
+  for (; i + 8 <= vocab; i += 8, i8 += 8) {
+    const vec8 x = load8(logits, row + i, bf16);
+    const i32x8 more = x > m; /* -1 where x is larger (never for NaN) */
+    m = (vec8)((more & (i32x8)x) | (~more & (i32x8)m));
+    at = (more & i8) | (~more & at);
+    nan |= x != x;
+  }
+  float best = -INFINITY;
+  int first = 0, any_nan = 0;
+  for (int lane = 0; lane < 8; ++lane) {
+    any_nan |= nan[lane];
+    if (m[lane] > best || (m[lane] == best && at[lane] < first)) best = m[lane], first = at[lane];
+  }
+  for (; i < vocab; ++i) { /* the last vocab % 8: after every lane's index */
+    const float x = load(logits, row + i, bf16);
+    any_nan |= x != x;
+    if (x > best) best = x, first = i;
+  }
+  *top = any_nan ? NAN : best;
+  *token = first;
+}
+
+void largest(const void* logits, int rows, int vocab, float* top, int64_t* tokens, int bf16) {
+#pragma omp parallel for if (rows > 1)
+  for (int r = 0; r < rows; ++r) {
+    if (bf16) largest_row(logits, (int64_t)r * vocab, vocab, top + r, tokens + r, 1);
+    else largest_row(logits, (int64_t)r * vocab, vocab, top + r, tokens + r, 0);
+  }
+}

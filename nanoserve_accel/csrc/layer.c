@@ -20,7 +20,8 @@ int store_kv(const char* k, const char* v, char* k_cache, char* v_cache, const i
              int n, int row_bytes, int64_t num_slots);
 int paged_decode(const void* q, const void* k_cache, const void* v_cache,
                  const int32_t* block_table, const int32_t* lens, void* out, int B, int H,
-                 int Hkv, int D, int block_size, int W, int num_blocks, float scale, int bf16);
+                 int Hkv, int D, int block_size, int W, int num_blocks, float scale, int bf16,
+                 const void* next, int64_t next_bytes);
 #ifdef __AVX512F__
 void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
                      int K);
@@ -109,7 +110,8 @@ int decode_layer(const struct layer* L, const void* x, void* out, const void* co
                  (int64_t)L->num_blocks * L->block_size);
   if (bad >= 0) { status = n + bad; goto done; }
   bad = paged_decode(q, L->k_cache, L->v_cache, block_table, lens, att, n, L->H, L->Hkv, L->D,
-                     L->block_size, W, L->num_blocks, L->scale, L->bf16);
+                     L->block_size, W, L->num_blocks, L->scale, L->bf16, L->o.w,
+                     (int64_t)L->o.n * L->o.k * esize); /* o_proj's weights: read next */
   if (bad >= 0) { status = bad; goto done; }
   if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; }
   add(x, h, out, rows * L->hidden, L->bf16);

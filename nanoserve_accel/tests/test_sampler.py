@@ -1,8 +1,10 @@
 """The CPU's candidate sampler (sampler.py) against the plain one: the same probabilities, and so
 the same draws, whether the 1024 likeliest tokens suffice (peaked rows) or the whole row is sorted
-(a flat row; a top_k above 1024)."""
+(a flat row; a top_k above 1024); its greedy pick in C against torch's max."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ import torch
 from nanoserve import LLM
 from nanoserve.layers.sampler import Sampler, SamplingMetadata, filtered_probs
 from nanoserve.sampling_params import SamplingParams
-from nanoserve_accel.sampler import candidate_probs
+from nanoserve_accel import kernels
+from nanoserve_accel.sampler import c_largest, candidate_probs
 from tests.common.tiny_model import tiny_model_dir
 
 
@@ -51,3 +54,30 @@ def test_the_fast_path_swaps_it_in_on_a_cpu():
 
     assert filter_of() is candidate_probs
     assert filter_of(enable_fast_paths=False) is filtered_probs
+    sampler = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8,
+                  skip_tokenizer_init=True).model_runner.sampler
+    if kernels.compile_kernels() is not None:
+        assert sampler.largest.func is c_largest
+
+
+@pytest.mark.skipif(kernels.compile_kernels() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_c_greedy_pick_is_torchs_max(dtype, rows):
+    """The same token as torch's max(dim=-1), the first of tied maxima; NaN rows flagged."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, 49152, generator=gen) * 4).to(dtype)
+    logits[0, 1000] = logits[0, 7] = logits[0].max() + 1  # a tie: the first wins
+    if rows > 1:
+        logits[1, 30000] = float("nan")
+        logits[2] = float("-inf")  # all -inf: token 0, as torch
+        logits[3, -1] = float("inf")
+    pick = functools.partial(c_largest, kernels.compile_kernels())
+    top, tokens = pick(logits)
+    expected_top, expected_tokens = logits.max(dim=-1)
+    nan = expected_top.isnan()
+    assert torch.equal(top.isnan(), nan)
+    assert torch.equal(tokens[~nan], expected_tokens[~nan]) and tokens[0] == 7
+    assert torch.equal(top[~nan], expected_top[~nan].float())
+    strided = logits.t().contiguous().t()  # not contiguous: torch's own
+    assert torch.equal(pick(strided)[1][~nan], expected_tokens[~nan])
