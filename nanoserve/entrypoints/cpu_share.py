@@ -1,16 +1,25 @@
-"""The engine's CPU threads on a shared machine: as many as the cores other processes leave.
+"""The engine's CPU threads on a shared machine: as many as the cores other processes leave, held
+to those cores.
 
 An OpenMP team waits at the end of every parallel region for its slowest thread, and a decode
 step is a few hundred regions. When another process keeps one of the cores busy, the engine's
 thread there gets half of that core, so every region, and so every step, waits for it (on 2
 cores a spinning neighbour made served steps 8x slower, issue 37). vLLM's CPU engine binds its
 threads to the cores it reserves; here the team follows the machine. Every half second, between
-steps and on the engine's thread, `CoreShare.update` reads what other processes took of this
-process's cores (/proc/stat less /proc/self/stat) and what they kept this process's ready
-threads waiting for (schedstat's run delay), and sizes the team to the cores that leaves (at
-most the team it started with, at least one); the kernel then runs the smaller team on the free
-cores. It shrinks only while others take at least a quarter of a core (our own threads waiting
-on each other never shrink it) and grows back once they take under 0.4: no flapping between.
+steps and on the engine's thread, `CoreShare.update` reads what other processes took of each of
+this process's cores (/proc/stat less our threads' CPU time, each counted on the core it last
+ran on) and what they kept this process's ready threads waiting for (schedstat's run delay), and
+sizes the team to the cores that leaves (at most the team it started with, at least one). It
+shrinks only while others take at least a quarter of a core (our own threads waiting on each
+other never shrink it) and grows back once they take under 0.4: no flapping between.
+
+A smaller team is also held to the cores others use least, and let go when the team is whole
+again. A team of one is the engine's thread alone: it gets its core to itself and every other
+thread of the process (the event loop's, the tokenizer's) runs on the other cores, as vLLM keeps
+its API process off its engine's core. A larger team's OpenMP threads cannot be told from the
+others, so all of them share the team's cores. Left to the kernel, a served team of one ran its
+prefill chunks a fifth slower than held apart from the event loop (docs/serving.md): the threads
+that wake beside it take its core, and the kernel moves it onto the neighbour's.
 
 Only the team of the thread that steps the engine changes (OpenMP's thread count is per
 thread), and only on Linux (elsewhere `CoreShare.probe()` is None). Figures: docs/serving.md."""
@@ -20,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -30,30 +40,43 @@ PERIOD_S = 0.5
 log = logging.getLogger("nanoserve")
 
 
-def read_jiffies(cpus: list[int]) -> tuple[int, int, int, int]:
-    """(busy, total) clock ticks of `cpus` since boot, this process's own CPU ticks, and the ns
-    its threads spent ready to run but waiting for a core (schedstat's run_delay)."""
-    busy = total = 0
+def read_jiffies(cpus: list[int]) -> tuple[dict[int, int], int, dict[int, int], int]:
+    """Clock ticks since boot: busy ticks of each of `cpus`, all ticks of them together, this
+    process's own CPU ticks on each (a thread's, on the core it last ran on), and the ns its
+    threads spent ready to run but waiting for a core (schedstat's run_delay)."""
+    busy, total = dict.fromkeys(cpus, 0), 0
     with open("/proc/stat") as f:
         for line in f:
             name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in busy:
                 user, nice, system, idle, iowait, irq, softirq = map(int, fields[:7])
                 work = user + nice + system + irq + softirq  # steal: the hypervisor's, not ours
-                busy, total = busy + work, total + work + idle + iowait
-    with open("/proc/self/stat") as f:  # utime, stime: fields 14 and 15, after "(comm)"
-        own = sum(map(int, f.read().rpartition(")")[2].split()[11:13]))
-    waited = 0
+                busy[int(name[3:])], total = work, total + work + idle + iowait
+    own, waited = dict.fromkeys(cpus, 0), 0
     for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that just ended
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
+            with open(f"/proc/self/task/{task}/stat") as f:  # after "(comm)": utime, stime
+                fields = f.read().rpartition(")")[2].split()  # are fields 14-15, the core 39
+            cpu = int(fields[36])
+            own[cpu if cpu in own else cpus[0]] += int(fields[11]) + int(fields[12])
             with open(f"/proc/self/task/{task}/schedstat") as f:
                 waited += int(f.read().split()[1])
     return busy, total, own, waited
 
 
+def hold_to(mine: list[int], rest: list[int]) -> None:
+    """The calling thread on `mine`, every other thread of this process on `rest` (threads
+    started later inherit their starter's)."""
+    me = threading.get_native_id()
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(task), mine if int(task) == me else rest)
+
+
 class CoreShare:
     def __init__(self, max_threads: int, cpus: list[int]) -> None:
         self.max_threads, self.cpus, self.threads = max_threads, cpus, max_threads
+        self.held = cpus  # the cores the process's threads may run on
         self.last, self.last_time = read_jiffies(cpus), time.monotonic()
         self.next_update = self.last_time + PERIOD_S
         self.others = self.waited = 0.0  # the last period's, in cores (see update)
@@ -77,13 +100,17 @@ class CoreShare:
         if now_time < self.next_update:
             return
         now = read_jiffies(self.cpus)
-        busy, total, own, waited = (b - a for a, b in zip(self.last, now))
-        wall, self.last, self.last_time = now_time - self.last_time, now, now_time
-        self.next_update = now_time + PERIOD_S
+        (busy0, total0, own0, waited0), (busy1, total1, own1, waited1) = self.last, now
+        total, wall = total1 - total0, now_time - self.last_time
+        self.last, self.last_time, self.next_update = now, now_time, now_time + PERIOD_S
         if total <= 0 or wall <= 0:
             return
-        self.others = max(0.0, (busy - own) * len(self.cpus) / total)
-        self.waited = waited / 1e9 / wall
+        # Each core's ticks by others, as a fraction of one core (total covers all of them).
+        others = {c: max(0.0, (busy1[c] - busy0[c] - own1[c] + own0[c]) * len(self.cpus) / total)
+                  for c in self.cpus}
+        self.others = max(0.0, (sum(busy1.values()) - sum(busy0.values()) - sum(own1.values())
+                                + sum(own0.values())) * len(self.cpus) / total)
+        self.waited = (waited1 - waited0) / 1e9 / wall
         demand = self.others + self.waited
         if self.others >= OTHERS_AT_LEAST and demand >= SHRINK_AT:
             threads = max(1, min(self.max_threads, len(self.cpus) - round(demand)))
@@ -96,3 +123,26 @@ class CoreShare:
         if threads != self.threads:
             self.threads = threads
             torch.set_num_threads(threads)
+        self.hold(others)
+
+    def hold(self, others: dict[int, float]) -> None:
+        """A smaller team: held to as many cores as it has threads, those others used least (a
+        tie keeps the cores it holds); a team of one, the engine's thread, with the rest of the
+        process on the other cores; the whole team again: all let go."""
+        held = self.cpus
+        if self.threads < self.max_threads:
+            cores = sorted(self.cpus, key=lambda c: (round(others[c] * 4), c not in self.held))
+            held = sorted(cores[:self.threads])
+        if held != self.held:
+            self.held = held
+            rest = [c for c in self.cpus if c not in held]
+            hold_to(held, rest if self.threads == 1 and rest else held)
+
+    def release(self) -> None:
+        """The whole team again, on every core it started with (an engine that ends)."""
+        if self.threads != self.max_threads:
+            self.threads = self.max_threads
+            torch.set_num_threads(self.max_threads)
+        if self.held != self.cpus:
+            self.held = self.cpus
+            hold_to(self.cpus, self.cpus)

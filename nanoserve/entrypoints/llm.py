@@ -260,6 +260,12 @@ class LLM(LLMEngine):
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              RequestMetrics.from_request(req), finished=req.is_finished)
 
+    def shutdown(self) -> None:
+        """Also gives the process back the CPU team and the cores it started with."""
+        if self.core_share is not None:
+            self.core_share.release()
+        super().shutdown()
+
     def describe(self) -> str:
         """What runs: the start-up line (also printed by LLM())."""
         c, r = self.config, self.model_runner

@@ -61,6 +61,7 @@ def main() -> None:
                 llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
                           skip_tokenizer_init=True, kv_cache_memory_gib=0.5)
                 ms, size = median_step_ms(llm, rows, args.steps)
+                llm.shutdown()  # the team and the cores it started with, for the next run
             finally:
                 cpu_share.CoreShare.probe = probe
                 torch.set_num_threads(threads)  # the team a run may have shrunk

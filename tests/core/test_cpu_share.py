@@ -20,24 +20,35 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def test_the_team_follows_the_cores_others_leave(monkeypatch):
     """4 cores, periods of 1 s: the team is the cores others' demand (what they used, and what
     they kept our ready threads waiting for) leaves; between the thresholds it stays; our own
-    threads waiting alone never shrink it."""
-    sizes, clock, ticks = [], [0.0], [(0, 0, 0, 0)]
+    threads waiting alone never shrink it. A smaller team is held to the cores others used
+    least; a team of one alone there, the process's other threads on the other cores."""
+    sizes, holds, clock = [], [], [0.0]
+    ticks = [({c: 0 for c in range(4)}, 0, {c: 0 for c in range(4)}, 0)]
     monkeypatch.setattr(torch, "set_num_threads", sizes.append)
     monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(cpu_share, "read_jiffies", lambda cpus: ticks[0])
+    monkeypatch.setattr(cpu_share, "hold_to", lambda mine, rest: holds.append((mine, rest)))
     share = CoreShare(max_threads=4, cpus=[0, 1, 2, 3])
-    # (cores others used, ours, cores' worth of our threads waiting) -> the team after it
-    for others, ours, waited, team in [(0.1, 3.9, 0.0, 4), (0.6, 3.0, 0.4, 3), (0.5, 3.0, 0.0, 3),
-                                       (1.6, 2.4, 0.4, 2), (1.0, 2.0, 0.0, 3),
-                                       (0.1, 3.9, 0.9, 4), (0.3, 2.0, 0.0, 4), (3.9, 0.1, 0.0, 1)]:
+    # (cores others used on cores 0-3, cores' worth of our threads waiting) -> team, held cores
+    for others, waited, team, held in [
+            ((0, 0, 0, 0.1), 0.0, 4, [0, 1, 2, 3]), ((0, 0.6, 0, 0), 0.4, 3, [0, 2, 3]),
+            ((0, 0.5, 0, 0), 0.0, 3, [0, 2, 3]), ((0, 0.6, 1.0, 0), 0.4, 2, [0, 3]),
+            ((0.5, 0.5, 0, 0), 0.0, 3, [0, 2, 3]), ((0, 0, 0, 0.1), 0.9, 4, [0, 1, 2, 3]),
+            ((0.3, 0, 0, 0), 0.0, 4, [0, 1, 2, 3]), ((1.0, 0.6, 1.0, 1.0), 0.0, 1, [1])]:
         busy, total, own, wait = ticks[0]
-        ticks[0] = (busy + round((others + ours) * 100), total + 400, own + round(ours * 100),
+        ours = [1 - x for x in others]  # our threads fill what others leave
+        ticks[0] = ({c: busy[c] + 100 for c in range(4)}, total + 400,
+                    {c: own[c] + round(ours[c] * 100) for c in range(4)},
                     wait + round(waited * 1e9))
         clock[0] += 1.0
         share.update()
-        assert share.threads == team and share.others == pytest.approx(others)
-        assert share.waited == pytest.approx(waited)
+        assert share.threads == team and share.others == pytest.approx(sum(others))
+        assert share.waited == pytest.approx(waited) and share.held == held
     assert sizes == [3, 2, 3, 4, 1]  # set only when it changes
+    assert holds == [([0, 2, 3], [0, 2, 3]), ([0, 3], [0, 3]), ([0, 2, 3], [0, 2, 3]),
+                     ([0, 1, 2, 3], [0, 1, 2, 3]), ([1], [0, 2, 3])]
+    share.release()  # LLM.shutdown(): the whole team on every core again
+    assert sizes[-1] == 4 and holds[-1] == ([0, 1, 2, 3], [0, 1, 2, 3])
 
 
 def test_a_spinning_process_counts_as_a_core():
@@ -50,7 +61,8 @@ def test_a_spinning_process_counts_as_a_core():
         after = read_jiffies(cpus)
     finally:
         spinner.wait(timeout=10)
-    busy, total, own, waited = (b - a for a, b in zip(before, after))
+    busy, own = (sum(after[i].values()) - sum(before[i].values()) for i in (0, 2))
+    total, waited = after[1] - before[1], after[3] - before[3]
     assert 0 <= own <= busy <= total and waited >= 0
     assert (busy - own) * len(cpus) / total > 0.5  # about 1: the spinner's core
 
@@ -65,3 +77,25 @@ def test_the_llm_updates_it_before_each_step(monkeypatch):
     llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
     llm.generate([[1, 2, 3]], use_tqdm=False)
     assert calls and all(c is llm.core_share for c in calls)
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_team_of_one_is_held_apart_from_the_other_threads():
+    """hold_to on real threads (in a child process, whose affinity it changes): the caller on
+    its core, the process's other thread on the others."""
+    code = """
+import os, threading
+from nanoserve.entrypoints.cpu_share import hold_to
+cpus = sorted(os.sched_getaffinity(0))
+ids, go = [], threading.Event()
+other = threading.Thread(target=lambda: (ids.append(threading.get_native_id()), go.wait()))
+other.start()
+while not ids:
+    pass
+hold_to(cpus[:1], cpus[1:])
+print(sorted(os.sched_getaffinity(0)) == cpus[:1], sorted(os.sched_getaffinity(ids[0])) == cpus[1:])
+go.set()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stderr
