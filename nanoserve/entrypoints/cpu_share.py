@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -40,10 +41,16 @@ PERIOD_S = 0.5
 log = logging.getLogger("nanoserve")
 
 
-def read_jiffies(cpus: list[int]) -> tuple[dict[int, int], int, dict[int, int], int]:
-    """Clock ticks since boot: busy ticks of each of `cpus`, all ticks of them together, this
-    process's own CPU ticks on each (a thread's, on the core it last ran on), and the ns its
-    threads spent ready to run but waiting for a core (schedstat's run_delay)."""
+class Ticks(NamedTuple):
+    """Clock ticks since boot, of the cores this process may use."""
+    busy: dict[int, int]  # each core's busy ticks
+    total: int  # all ticks of those cores together
+    own: int  # this process's CPU ticks, its ended threads' too
+    threads: dict[int, tuple[int, int]]  # each live thread's CPU ticks and the core it last ran on
+    waited: int  # ns this process's threads were ready to run but waited for a core (run_delay)
+
+
+def read_jiffies(cpus: list[int]) -> Ticks:
     busy, total = dict.fromkeys(cpus, 0), 0
     with open("/proc/stat") as f:
         for line in f:
@@ -52,16 +59,17 @@ def read_jiffies(cpus: list[int]) -> tuple[dict[int, int], int, dict[int, int], 
                 user, nice, system, idle, iowait, irq, softirq = map(int, fields[:7])
                 work = user + nice + system + irq + softirq  # steal: the hypervisor's, not ours
                 busy[int(name[3:])], total = work, total + work + idle + iowait
-    own, waited = dict.fromkeys(cpus, 0), 0
+    with open("/proc/self/stat") as f:  # utime, stime: fields 14 and 15, after "(comm)"
+        own = sum(map(int, f.read().rpartition(")")[2].split()[11:13]))
+    threads, waited = {}, 0
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
-            with open(f"/proc/self/task/{task}/stat") as f:  # after "(comm)": utime, stime
-                fields = f.read().rpartition(")")[2].split()  # are fields 14-15, the core 39
-            cpu = int(fields[36])
-            own[cpu if cpu in own else cpus[0]] += int(fields[11]) + int(fields[12])
+            with open(f"/proc/self/task/{task}/stat") as f:  # the core: field 39
+                fields = f.read().rpartition(")")[2].split()
+            threads[int(task)] = int(fields[11]) + int(fields[12]), int(fields[36])
             with open(f"/proc/self/task/{task}/schedstat") as f:
                 waited += int(f.read().split()[1])
-    return busy, total, own, waited
+    return Ticks(busy, total, own, threads, waited)
 
 
 def hold_to(mine: list[int], rest: list[int]) -> None:
@@ -99,18 +107,14 @@ class CoreShare:
         now_time = time.monotonic()
         if now_time < self.next_update:
             return
-        now = read_jiffies(self.cpus)
-        (busy0, total0, own0, waited0), (busy1, total1, own1, waited1) = self.last, now
-        total, wall = total1 - total0, now_time - self.last_time
+        last, now = self.last, read_jiffies(self.cpus)
+        total, wall = now.total - last.total, now_time - self.last_time
         self.last, self.last_time, self.next_update = now, now_time, now_time + PERIOD_S
         if total <= 0 or wall <= 0:
             return
-        # Each core's ticks by others, as a fraction of one core (total covers all of them).
-        others = {c: max(0.0, (busy1[c] - busy0[c] - own1[c] + own0[c]) * len(self.cpus) / total)
-                  for c in self.cpus}
-        self.others = max(0.0, (sum(busy1.values()) - sum(busy0.values()) - sum(own1.values())
-                                + sum(own0.values())) * len(self.cpus) / total)
-        self.waited = (waited1 - waited0) / 1e9 / wall
+        self.others = max(0.0, (sum(now.busy.values()) - sum(last.busy.values()) - now.own
+                                + last.own) * len(self.cpus) / total)
+        self.waited = (now.waited - last.waited) / 1e9 / wall
         demand = self.others + self.waited
         if self.others >= OTHERS_AT_LEAST and demand >= SHRINK_AT:
             threads = max(1, min(self.max_threads, len(self.cpus) - round(demand)))
@@ -123,7 +127,18 @@ class CoreShare:
         if threads != self.threads:
             self.threads = threads
             torch.set_num_threads(threads)
-        self.hold(others)
+        if threads < self.max_threads or self.held != self.cpus:
+            self.hold(self.others_by_core(last, now))
+
+    def others_by_core(self, last: Ticks, now: Ticks) -> dict[int, float]:
+        """Each core's share (of one core) others took in the period: its busy ticks less
+        those of our threads that last ran on it (a thread that ended in it is not counted)."""
+        ours = dict.fromkeys(self.cpus, 0)
+        for tid, (ticks, cpu) in now.threads.items():
+            ours[cpu if cpu in ours else self.cpus[0]] += ticks - last.threads.get(tid, (0,))[0]
+        total = now.total - last.total
+        return {c: max(0.0, (now.busy[c] - last.busy[c] - ours[c]) * len(self.cpus) / total)
+                for c in self.cpus}
 
     def hold(self, others: dict[int, float]) -> None:
         """A smaller team: held to as many cores as it has threads, those others used least (a

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from nanoserve.entrypoints import cpu_share
-from nanoserve.entrypoints.cpu_share import CoreShare, read_jiffies
+from nanoserve.entrypoints.cpu_share import CoreShare, Ticks, read_jiffies
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -23,7 +24,7 @@ def test_the_team_follows_the_cores_others_leave(monkeypatch):
     threads waiting alone never shrink it. A smaller team is held to the cores others used
     least; a team of one alone there, the process's other threads on the other cores."""
     sizes, holds, clock = [], [], [0.0]
-    ticks = [({c: 0 for c in range(4)}, 0, {c: 0 for c in range(4)}, 0)]
+    ticks = [Ticks({c: 0 for c in range(4)}, 0, 0, {c: (0, c) for c in range(4)}, 0)]
     monkeypatch.setattr(torch, "set_num_threads", sizes.append)
     monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(cpu_share, "read_jiffies", lambda cpus: ticks[0])
@@ -35,11 +36,11 @@ def test_the_team_follows_the_cores_others_leave(monkeypatch):
             ((0, 0.5, 0, 0), 0.0, 3, [0, 2, 3]), ((0, 0.6, 1.0, 0), 0.4, 2, [0, 3]),
             ((0.5, 0.5, 0, 0), 0.0, 3, [0, 2, 3]), ((0, 0, 0, 0.1), 0.9, 4, [0, 1, 2, 3]),
             ((0.3, 0, 0, 0), 0.0, 4, [0, 1, 2, 3]), ((1.0, 0.6, 1.0, 1.0), 0.0, 1, [1])]:
-        busy, total, own, wait = ticks[0]
-        ours = [1 - x for x in others]  # our threads fill what others leave
-        ticks[0] = ({c: busy[c] + 100 for c in range(4)}, total + 400,
-                    {c: own[c] + round(ours[c] * 100) for c in range(4)},
-                    wait + round(waited * 1e9))
+        busy, total, own, threads, wait = ticks[0]
+        ours = [round((1 - x) * 100) for x in others]  # one thread of ours on each core fills
+        ticks[0] = Ticks({c: busy[c] + 100 for c in range(4)}, total + 400,  # what others leave
+                         own + sum(ours), {c: (threads[c][0] + ours[c], c) for c in range(4)},
+                         wait + round(waited * 1e9))
         clock[0] += 1.0
         share.update()
         assert share.threads == team and share.others == pytest.approx(sum(others))
@@ -61,9 +62,9 @@ def test_a_spinning_process_counts_as_a_core():
         after = read_jiffies(cpus)
     finally:
         spinner.wait(timeout=10)
-    busy, own = (sum(after[i].values()) - sum(before[i].values()) for i in (0, 2))
-    total, waited = after[1] - before[1], after[3] - before[3]
-    assert 0 <= own <= busy <= total and waited >= 0
+    busy = sum(after.busy.values()) - sum(before.busy.values())
+    total, own, waited = (after[i] - before[i] for i in (1, 2, 4))
+    assert 0 <= own <= busy <= total and waited >= 0 and threading.get_native_id() in after.threads
     assert (busy - own) * len(cpus) / total > 0.5  # about 1: the spinner's core
 
 
