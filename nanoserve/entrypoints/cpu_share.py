@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -85,6 +86,7 @@ class CoreShare:
     def __init__(self, max_threads: int, cpus: list[int]) -> None:
         self.max_threads, self.cpus, self.threads = max_threads, cpus, max_threads
         self.held = cpus  # the cores the process's threads may run on
+        self.let_go = weakref.finalize(self, lambda: None)  # see hold()
         self.last, self.last_time = read_jiffies(cpus), time.monotonic()
         self.next_update = self.last_time + PERIOD_S
         self.others = self.waited = 0.0  # the last period's, in cores (see update)
@@ -152,6 +154,11 @@ class CoreShare:
             self.held = held
             rest = [c for c in self.cpus if c not in held]
             hold_to(held, rest if self.threads == 1 and rest else held)
+            # Held, the process stays so after an engine that is dropped without shutdown():
+            # letting go then too, and only while it holds (another engine may hold later).
+            self.let_go.detach()
+            if held != self.cpus:
+                self.let_go = weakref.finalize(self, hold_to, self.cpus, self.cpus)
 
     def release(self) -> None:
         """The whole team again, on every core it started with (an engine that ends)."""
@@ -160,4 +167,4 @@ class CoreShare:
             torch.set_num_threads(self.max_threads)
         if self.held != self.cpus:
             self.held = self.cpus
-            hold_to(self.cpus, self.cpus)
+            self.let_go()

@@ -100,3 +100,24 @@ go.set()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_an_engine_dropped_while_holding_lets_go(monkeypatch):
+    """No shutdown(): the cores are given back when the CoreShare is collected; one that no
+    longer holds gives nothing (another engine may be holding by then)."""
+    import gc
+
+    holds = []
+    monkeypatch.setattr(cpu_share, "hold_to", lambda mine, rest: holds.append((mine, rest)))
+    monkeypatch.setattr(cpu_share, "read_jiffies", lambda cpus: None)
+    for team_after, given_back in ((1, [([0, 1], [0, 1])]), (2, [])):
+        holds.clear()
+        share = CoreShare(max_threads=2, cpus=[0, 1])
+        share.threads = 1
+        share.hold({0: 1.0, 1: 0.0})  # a team of one: core 1, the rest of us on core 0
+        share.threads = team_after
+        share.hold({0: 1.0, 1: 0.0})  # whole again: it lets go itself
+        held = [([1], [0])] + ([([0, 1], [0, 1])] if team_after == 2 else [])
+        del share
+        gc.collect()
+        assert holds == held + given_back
