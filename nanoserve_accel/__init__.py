@@ -10,16 +10,19 @@ It is the only place anything is swapped in, and it swaps whole modules:
     a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c), top-k and
     top-p filter the likeliest tokens only and each row's largest logit is found in C
     (sampler.py, csrc/fused.c), and freed buffers stay in the heap
-    (kernels.keep_freed_memory, process-wide).
+    (kernels.keep_freed_memory, process-wide); the weights, laid out, are moved onto 2 MB
+    pages (hugepages.py).
 The results equal the plain path's (nanoserve_accel/tests/)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import TYPE_CHECKING
 
 from nanoserve_accel import kernels, plan
 from nanoserve_accel.fused import fuse_elementwise
+from nanoserve_accel.hugepages import weights_on_huge_pages
 from nanoserve_accel.layer import fuse_layers
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
@@ -38,8 +41,13 @@ def optimize(runner: ModelRunner) -> None:
     machine = plan.Machine.probe(lib)
     replace_linears(runner.model, lib, machine)  # the plan's GEMM for each
     runner.sampler.filter = candidate_probs  # top-k / top-p among the likeliest tokens
-    if lib is None:
-        return
+    if lib is not None:
+        use_kernels(runner, lib, machine)
+    weights_on_huge_pages(runner.model)  # laid out for good now: no more copies to come
+
+
+def use_kernels(runner: ModelRunner, lib: ctypes.CDLL, machine: plan.Machine) -> None:
+    """The C kernels' modules, where the library was built."""
     runner.sampler.largest = functools.partial(c_largest, lib)  # the greedy pick
     fuse_elementwise(runner.model, lib)  # RMSNorm, RoPE, SiLU-and-multiply: one call each
     if runner.backend.name == "torch":

@@ -1,0 +1,80 @@
+"""hugepages.py: which memory it asks to make huge (every weight the model reads, each once, only
+whole 2 MB pages within them), that the kernel then backs it with huge pages where it can, that
+the values stay, and that the default path asks for the model's weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from nanoserve import LLM
+from nanoserve_accel import hugepages
+from nanoserve_accel.hugepages import HUGE_PAGE, collapse, huge_spans, weight_ranges
+from tests.common.tiny_model import tiny_model_dir
+
+MB = 1 << 20
+
+
+def test_spans_are_whole_huge_pages_within_runs_of_ranges():
+    base = 100 * HUGE_PAGE
+    assert huge_spans([(base + 1, 5 * MB)]) == [(base + HUGE_PAGE, 2 * MB)]  # inward
+    assert huge_spans([(base, MB)]) == []  # under one page: nothing
+    # ranges a few bytes apart (the heap's order) are one run; far apart, two
+    near = [(base, 3 * MB), (base + 3 * MB + 64, 3 * MB)]
+    assert huge_spans(near) == [(base, 6 * MB)]
+    far = [(base, 4 * MB), (base + 64 * MB, 4 * MB)]
+    assert huge_spans(far) == [(base, 4 * MB), (base + 64 * MB, 4 * MB)]
+
+
+def test_weight_ranges_hold_each_weight_once():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    model[1].weight = model[0].weight  # tied: one range, not two
+    del model[1].bias
+    model[1].register_buffer("bias", torch.zeros(8))
+    model[0].layout = torch.ones(4, 4)  # a GEMM module's own layout, a plain attribute
+    ranges = weight_ranges(model)
+    tensors = (model[0].weight, model[0].bias, model[1].bias, model[0].layout)
+    assert sorted(ranges) == sorted((t.data_ptr(), t.untyped_storage().nbytes()) for t in tensors)
+
+
+def anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside, kb = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                kb = int(line.split()[1])
+    return kb
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_collapse_backs_whole_pages_and_keeps_the_values():
+    t = torch.arange(12 * MB // 4, dtype=torch.float32)  # at least 4 whole 2 MB pages
+    before = t.clone()
+    ranges = [(t.data_ptr(), t.nbytes)]
+    huge_before = anon_huge_kb(t.data_ptr())
+    done = collapse(ranges)
+    if done == 0:
+        pytest.skip("this kernel makes no huge pages here (before 6.1, or THP off)")
+    assert done == sum(size for _, size in huge_spans(ranges)) >= 8 * MB
+    assert anon_huge_kb(t.data_ptr()) - huge_before >= 8 * MB // 1024
+    assert torch.equal(t, before)
+
+
+def test_the_default_path_asks_for_the_model_weights(monkeypatch):
+    asked = []
+    monkeypatch.setattr(hugepages, "collapse", lambda ranges: asked.append(ranges) or 0)
+    llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
+    [ranges] = asked
+    model = llm.model_runner.model
+    kv = llm.model_runner.kv_cache.untyped_storage().data_ptr()
+    assert kv not in dict(ranges)  # the KV cache comes after: not asked for
+    assert set(ranges) == {r for r in weight_ranges(model) if r[0] != kv}
+    assert sum(size for _, size in ranges) >= llm.model_runner.weight_bytes
