@@ -117,8 +117,12 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
 enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
 /* Bytes ahead in the column block's stream: 8 k where the weights' chunk is read again for more
  * blocks of rows (it should stay in L2); 32 k, non-temporal, where the rows are one block and W is
- * read once (dpbf16.c's BLOCKED_PREFETCH says why; SmolLM2-135M one row 0.97-0.98 of the step
- * with 2048 as T0 in 3 runs, Llama-3.2-1B level). */
+ * read once: lines fetched the usual way pass through L2 into the L3 (a victim cache on Zen 4),
+ * evicting what the step reads again (each layer's KV, the activations, the Python between the
+ * C calls). SmolLM2-135M one row 0.97-0.98 of the step with 2048 as T0 in 3 runs, Llama-3.2-1B
+ * level. On 2 MB pages (hugepages.py) level with none (a C harness: 1.025 / 1.017 of a read,
+ * none 1.020 / 1.013), on 4 KB pages ahead of none (0.922 / 0.877 against 0.962 / 0.926): kept,
+ * unlike dpbf16.c's. */
 enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 8192 };
 
 /* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in

@@ -102,15 +102,14 @@ void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int 
  * linear_dpbf16 on the plain weight (which a second, reordered copy for oneDNN had to sit
  * beside), and oneDNN on the plain bf16 weight took 1.51x its reordered time at 16 rows. */
 enum { BLOCK_COLS = 64, BLOCKED_ROWS = 7 };  /* 7 rows x 4 vectors: 28 accumulators of 32 */
-/* Bytes ahead in the stream of column blocks (32 k pairs; past a block's end: the next block,
- * contiguous), asked for as non-temporal: W is read once a step, and lines fetched the usual way
- * pass through L2 into the L3 (a victim cache on Zen 4), evicting what the step reads again: each
- * layer's KV, the activations, the Python and torch code and data between the C calls (between
- * two steps the step's Python took ~0.1 ms warm, ~0.4 ms cold; a layer's attention 9 us warm, 19
- * cold). In-process A/B on the Zen 4 VM (one model, the kernel library swapped step by step in
- * rotating order), one row, step time against 1024 bytes ahead as T0: SmolLM2-135M 0.91-0.95 where
- * the VM read at 48-50 GB/s, 0.98-1.0 at 70-78; Llama-3.2-1B level (0.99-1.01; 8192 as T0 1.03). */
-enum { BLOCKED_PREFETCH = 8192 };
+/* W streams front to back without software prefetches: the hardware prefetcher alone keeps up
+ * now that the weights lie on 2 MB pages (hugepages.py). 2-core Zen 4 VM (avx512_bf16), a C
+ * harness of 30 layers of SmolLM2-135M's four GEMMs, one row, against an AVX-512 read of the same
+ * bytes, interleaved: 8 KB ahead non-temporal (as before) 1.055 / 1.137 / 1.062, none 1.000 /
+ * 0.995 / 0.978; at 4 and 7 rows 1.30 -> 1.10 and 1.50-1.64 -> 1.47-1.48; on 4 KB pages level
+ * or better too (1.001 -> 0.990, 1.037 -> 0.873 at 4 rows). kernel_ab.py, the engine's step, no
+ * prefetch against 8 KB: 135M bf16 one row 0.953, 0.976, 4 rows 0.933, 16 rows 1.000 (oneDNN's),
+ * Llama-3.2-1B shape one row 0.955. */
 
 static inline __attribute__((always_inline)) void blocked_rows(
     const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int N, int K,
@@ -125,10 +124,6 @@ static inline __attribute__((always_inline)) void blocked_rows(
   const uint32_t* xp = (const uint32_t*)(x + (int64_t)m0 * K);
   for (int i = 0; i < pairs; ++i) {
     const uint16_t* wk = wb + (int64_t)i * 2 * BLOCK_COLS;
-    __builtin_prefetch((const char*)wk + BLOCKED_PREFETCH, 0, 0);
-    __builtin_prefetch((const char*)wk + BLOCKED_PREFETCH + 64, 0, 0);
-    __builtin_prefetch((const char*)wk + BLOCKED_PREFETCH + 128, 0, 0);
-    __builtin_prefetch((const char*)wk + BLOCKED_PREFETCH + 192, 0, 0);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 32 * c);
