@@ -1,8 +1,8 @@
 """§1 on a CPU: the weights on 2 MB pages. A one-row decode step reads every weight once; on 4 KB
 pages it misses the TLB every 4 KB, and in a virtual machine each miss walks two page tables, the
-guest's and the host's. Linux backs only memory that asks for it (or none) with transparent huge
-pages in its default mode, and torch asks for none; so once the model is laid out, its weights'
-pages are made huge in place (MADV_COLLAPSE, Linux 6.1): no second copy, no change of address.
+guest's and the host's. In the `madvise` mode (Ubuntu's default, and this VM's) Linux gives huge
+pages only to memory that asks, and torch asks for none; so once the model is laid out, its
+weights' pages are made huge in place (MADV_COLLAPSE, Linux 6.1): no copy kept, no address moved.
 On an older kernel, or with transparent huge pages off, the call fails and the pages stay as
 they were. Figures: docs/benchmarks.md ("Huge pages")."""
 
