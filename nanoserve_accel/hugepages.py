@@ -56,14 +56,11 @@ def collapse(ranges: list[tuple[int, int]]) -> int:
     kernel took (0 where it cannot: not Linux, an old kernel, huge pages off)."""
     if not sys.platform.startswith("linux"):
         return 0
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise = ctypes.CDLL(None).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
-    for address, size in huge_spans(ranges):
-        if madvise(address, size, MADV_COLLAPSE) == 0:
-            done += size
-        elif ctypes.get_errno() == 22:  # EINVAL: this kernel cannot; the others would fail too
-            break
+    for address, size in huge_spans(ranges):  # a span refused (EINVAL, EAGAIN...) is skipped
+        done += size if madvise(address, size, MADV_COLLAPSE) == 0 else 0
     return done
 
 
