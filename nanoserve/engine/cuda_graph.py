@@ -124,21 +124,26 @@ def compile_elementwise(model: nn.Module) -> None:
 
 def cuda_kv_budget(runner) -> int:
     """The ModelRunner's GPU memory left for KV: gpu_memory_utilization of the GPU, less what
-    others use, the weights, and the peak of the largest steps run on a one-block cache."""
+    others use, the weights, the peak of the largest steps run on a one-block cache, and, where
+    decode steps will be captured, the decode step's activations once more: the graphs keep
+    them in a private pool, beside the allocator's memory that eager prefills use."""
     device = runner.device
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     runner._allocate_kv_cache(num_blocks=1)
+    base, peaks = torch.cuda.memory_allocated(device), []
     for out in warmup_steps(runner.config):  # the logits and the sampler's buffers count too
+        torch.cuda.reset_peak_memory_stats(device)
         runner.run_alone(out)
-    peak = torch.cuda.max_memory_allocated(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    graph_pool = 0 if runner.config.enforce_eager else peaks[-1] - base
     for attn in runner.attn_layers:  # drop the scratch cache's last references
         attn.bind(torch.empty(0), torch.empty(0), runner.backend)
     del runner.kv_cache
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use_by_others = total - free - torch.cuda.memory_allocated(device)
-    return int(total * runner.config.gpu_memory_utilization) - peak - in_use_by_others
+    return (int(total * runner.config.gpu_memory_utilization) - max(peaks) - graph_pool
+            - in_use_by_others)
 
 
 def warmup_steps(config: EngineConfig) -> list[SchedulerOutput]:

@@ -136,4 +136,4 @@ def flash_attn_with_kvcache(
     q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=visible[:, None, None],
                                          scale=softmax_scale)
-    return out.view(batch, 1, num_heads, head_dim)
+    return out.reshape(batch, 1, num_heads, head_dim)  # not view: CUDA SDPA's layout differs

@@ -186,3 +186,32 @@ def test_the_kv_budget_warmup_steps_run_on_one_scratch_block():
     for step in (prefill, decode):
         out = runner.execute_model(step)
         assert len(out.token_ids) == len(step.scheduled)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_kv_budget_counts_the_decode_graphs_pool_once_more(monkeypatch, enforce_eager):
+    """cuda_kv_budget's arithmetic, torch.cuda's memory counters faked: a GPU of 1000 bytes, 100
+    held by others, 200 by the weights and scratch block; the prefill step peaks 50 above that,
+    the decode step 30. CUDA graphs keep the decode step's 30 in their own pool (the GPU check
+    on an H200 used 93% of the GPU at gpu_memory_utilization 0.9 before they were counted)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from nanoserve import LLM
+    from nanoserve.engine import cuda_graph
+    from tests.common.tiny_model import tiny_model_dir
+
+    llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, block_size=16,
+              max_num_seqs=5, max_num_batched_tokens=70, max_model_len=300,
+              skip_tokenizer_init=True, enable_fast_paths=False)
+    runner, mem, above = llm.model_runner, {"allocated": 200, "peak": 0}, iter([50, 30])
+    monkeypatch.setattr(runner, "config", replace(runner.config, gpu_memory_utilization=0.9,
+                                                  enforce_eager=enforce_eager))
+    monkeypatch.setattr(runner, "run_alone", lambda out: mem.update(
+        peak=mem["allocated"] + next(above)))
+    monkeypatch.setattr(cuda_graph.torch, "cuda", SimpleNamespace(
+        empty_cache=lambda: None, memory_allocated=lambda device: mem["allocated"],
+        reset_peak_memory_stats=lambda device: mem.update(peak=mem["allocated"]),
+        max_memory_allocated=lambda device: mem["peak"],
+        mem_get_info=lambda device: (1000 - 100 - mem["allocated"], 1000)))
+    assert cuda_graph.cuda_kv_budget(runner) == 900 - 250 - 100 - (0 if enforce_eager else 30)

@@ -119,13 +119,14 @@ def test_graph_replay_matches_eager_logits_within_tolerance(tiny, dtype, backend
 
 
 def test_auto_backend_on_this_gpu_follows_dtype_and_compute_capability(tiny):
-    from nanoserve.layers.attention import select_backend
+    from nanoserve.config import resolve_attention_backend
 
     cuda = torch.device("cuda")
-    assert select_backend(cuda, torch.float32).name == "torch"
+    assert resolve_attention_backend("auto", cuda, torch.float32) == "torch"
     try:
         import flash_attn  # noqa: F401
         usable = torch.cuda.get_device_capability() >= (8, 0)
     except ImportError:
         usable = False
-    assert select_backend(cuda, torch.bfloat16).name == ("flash-attn" if usable else "torch")
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16) == ("flash-attn" if usable
+                                                                       else "torch")
