@@ -1,4 +1,4 @@
-"""GPU check: the one prepared run a session with a lent GPU makes first (--quick, <= 8 minutes on
+"""GPU check: the one prepared run a session with a lent GPU makes first (--quick, 3.5 minutes on
 an H200), and its dry run on a CPU. Each section prints what it found; the last lines sum up.
 
   0. versions, and what runs: the engine's start-up line (device, dtype, attention backend and
@@ -356,7 +356,7 @@ def nano_vllm_bench(llm: LLM, device: str, dry_run: bool) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="sections 0-5 (<= 8 min, H200)")
+    parser.add_argument("--quick", action="store_true", help="sections 0-5 (3.5 min on an H200)")
     parser.add_argument("--dry-run", action="store_true", help="on a CPU, tiny sizes")
     parser.add_argument("--checks-only", action="store_true", help="sections 0 and 1")
     args = parser.parse_args()
