@@ -117,6 +117,20 @@ def test_decode(group, block_size):
     torch.testing.assert_close(run_decode(case), case.expected(), atol=1e-5, rtol=1e-5)
 
 
+def test_decode_takes_sdpa_output_in_any_memory_layout(monkeypatch):
+    """CUDA's SDPA kernels return [batch, Hkv, group, D] laid out as [batch, group, Hkv, D]
+    (seen on an H200: the twin's `view` of it raised); the CPU's is contiguous. Here SDPA's
+    output comes back in the CUDA layout on the CPU: the same values must come out."""
+    sdpa = torch_attention.F.scaled_dot_product_attention
+
+    def cuda_like(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch_attention.F, "scaled_dot_product_attention", cuda_like)
+    case = PagedCase([(5, 1), (17, 1), (40, 1)], 4, num_kv_heads=2, group=3, seed=7)
+    torch.testing.assert_close(run_decode(case), case.expected(), atol=1e-5, rtol=1e-5)
+
+
 def test_varlen_without_block_table_matches_paged():
     """Packed dense K/V (no cache) is the same computation as the paged one."""
     case = PagedCase([(6, 6), (11, 3)], 4, num_kv_heads=1, group=3, seed=7)
