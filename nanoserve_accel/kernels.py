@@ -48,7 +48,8 @@ OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
                      "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
                      "linear_dot_fp32": [_P] * 4 + [_I] * 3,
                      "linear_fp32_blocked": [_P] * 4 + [_I] * 3,
-                     "paged_prefill": [_P] * 7 + [_I] * 10 + [_F, _I], "has_paged_prefill": []}
+                     "paged_prefill": [_P] * 7 + [_I] * 10 + [_F, _I, _I],
+                     "has_paged_prefill": [], "has_paged_prefill_fp32": []}
 
 
 @functools.cache  # once per process
@@ -96,8 +97,14 @@ def has_dpbf16(lib: ctypes.CDLL | None) -> bool:
 
 
 def has_paged_prefill(lib: ctypes.CDLL | None) -> bool:
-    """Whether `lib` was built with csrc/attention_prefill.c (AVX512-BF16, as has_dpbf16)."""
+    """Whether `lib` was built with csrc/attention_prefill.c's bf16 path (AVX512-BF16, as
+    has_dpbf16)."""
     return lib is not None and hasattr(lib, "has_paged_prefill")
+
+
+def has_paged_prefill_fp32(lib: ctypes.CDLL | None) -> bool:
+    """Whether `lib` was built with csrc/attention_prefill.c's fp32 path (AVX-512F)."""
+    return lib is not None and hasattr(lib, "has_paged_prefill_fp32")
 
 
 def has_amx(lib: ctypes.CDLL | None) -> bool:

@@ -4,9 +4,9 @@ batches costs more than the attention itself; this kernel reads each cached K/V 
 lies, one request per task, with the twin's signature and checks; on CPUs with AVX-512 its loop
 nest for head sizes 64 and 128 is csrc/attention_avx512.c (AVX512-BF16's dot products on bf16
 caches), which measured ~1.3x attention.c's 8-lane one there. Prefill chunks in bf16 on
-AVX512-BF16 CPUs: csrc/attention_prefill.c, every request of the chunk in one call, in place;
-elsewhere the twin. The cache write is one C copy, where index_copy_ pays torch's per-call cost in
-every layer."""
+AVX512-BF16 CPUs, and in fp32 on AVX-512F ones: csrc/attention_prefill.c, every request of the
+chunk in one call, in place; elsewhere the twin. The cache write is one C copy, where
+index_copy_ pays torch's per-call cost in every layer."""
 
 from __future__ import annotations
 
@@ -65,11 +65,13 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
 
 def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL,
                         machine: plan.Machine) -> AttentionBackend:
-    """Prefill chunks through csrc/attention_prefill.c (bf16 caches, head sizes 64 and 128,
-    causal, paged: what the engine sends on AVX512-BF16 CPUs); anything else, or anything the
-    kernel finds out of range, goes to the twin, which computes it or names what is wrong.
-    On CPUs with AMX it multiplies on the tiles."""
+    """Prefill chunks through csrc/attention_prefill.c (bf16 caches on AVX512-BF16 CPUs, fp32 on
+    AVX-512F ones; head sizes 64 and 128, causal, paged: what the engine sends); anything else,
+    or anything the kernel finds out of range, goes to the twin, which computes it or names what
+    is wrong. On CPUs with AMX the bf16 path multiplies on the tiles."""
     amx = int(plan.prefill_attention(machine, torch.bfloat16) == "C, AMX tiles")
+    dtypes = {d for d in (torch.float32, torch.bfloat16)
+              if plan.prefill_attention(machine, d) != "torch twin"}
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p=0.0, softmax_scale=None, causal=False,
@@ -78,7 +80,7 @@ def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL,
                 softmax_scale, causal, block_table, flash_contract)
         index = (cu_seqlens_q, cu_seqlens_k, block_table)
         if (not causal or dropout_p != 0.0 or flash_contract or block_table is None
-                or q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[-1] not in (64, 128)
+                or q.dtype not in dtypes or q.dim() != 3 or q.shape[-1] not in (64, 128)
                 or k.dim() != 4 or k.dtype != q.dtype or v.dtype != q.dtype
                 or v.shape != k.shape or k.shape[-1] != q.shape[-1]
                 or any(t.dtype != torch.int32 or not t.is_contiguous() for t in index)
@@ -93,7 +95,8 @@ def with_prefill_kernel(backend: AttentionBackend, lib: ctypes.CDLL,
             q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(),
             cu_seqlens_k.data_ptr(), block_table.data_ptr(), out.data_ptr(),
             len(cu_seqlens_q) - 1, q.shape[0], q.shape[1], num_kv_heads, head_dim, block_size,
-            block_table.shape[1], num_blocks, max_seqlen_q, max_seqlen_k, scale, amx)
+            block_table.shape[1], num_blocks, max_seqlen_q, max_seqlen_k, scale,
+            int(q.dtype == torch.bfloat16), amx)
         if bad == -2:
             raise MemoryError("prefill attention: no memory for its work space")
         return out if bad == -1 else backend.varlen_func(*args)

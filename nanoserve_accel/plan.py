@@ -36,14 +36,16 @@ GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3, "dpbf16_blocked
 @dataclass(frozen=True)
 class Machine:
     flags: frozenset[str]
-    kernels: frozenset[str]  # "c" (a library at all), "dot_fp32", "dpbf16", "amx", "paged_prefill"
+    kernels: frozenset[str]  # "c" (a library at all), "dot_fp32", "dpbf16", "amx",
+    # "paged_prefill" (bf16), "paged_prefill_fp32"
     onednn: frozenset[torch.dtype]  # the dtypes oneDNN's GEMM runs here
 
     @classmethod
     def probe(cls, lib: ctypes.CDLL | None) -> Machine:
         built = {"c": lib is not None, "dot_fp32": kernels.has_dot_fp32(lib),
                  "dpbf16": kernels.has_dpbf16(lib), "amx": kernels.has_amx(lib),
-                 "paged_prefill": kernels.has_paged_prefill(lib)}
+                 "paged_prefill": kernels.has_paged_prefill(lib),
+                 "paged_prefill_fp32": kernels.has_paged_prefill_fp32(lib)}
         return cls(cpu.cpu_flags(), frozenset(k for k, ok in built.items() if ok),
                    frozenset(d for d in (torch.float32, torch.bfloat16) if onednn_runs(d)))
 
@@ -100,8 +102,11 @@ def gemm(m: Machine, dtype: torch.dtype, n: int, k: int, tied: bool = False) -> 
 
 
 def prefill_attention(m: Machine, dtype: torch.dtype) -> str:
-    """csrc/attention_prefill.c for bf16 on AVX512-BF16 (on AMX tiles where there are), else
-    the torch twin."""
+    """csrc/attention_prefill.c for bf16 on AVX512-BF16 (on AMX tiles where there are) and for
+    fp32 on AVX-512F, else the torch twin."""
+    if dtype == torch.float32:
+        fp32 = "paged_prefill_fp32" in m.kernels and "avx512f" in m.flags
+        return "C" if fp32 else "torch twin"
     if dtype != torch.bfloat16 or "paged_prefill" not in m.kernels \
             or "avx512_bf16" not in m.flags:
         return "torch twin"
@@ -130,10 +135,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 FAMILIES = {
     "AMX (Intel Sapphire Rapids and later)": Machine(
         frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
-        frozenset({"c", "dot_fp32", "dpbf16", "amx", "paged_prefill"}), frozenset(DTYPES)),
+        frozenset({"c", "dot_fp32", "dpbf16", "amx", "paged_prefill", "paged_prefill_fp32"}),
+        frozenset(DTYPES)),
     "AVX512-BF16, no AMX (AMD Zen 4)": Machine(
         frozenset({"avx2", "avx512f", "avx512_bf16"}),
-        frozenset({"c", "dot_fp32", "dpbf16", "paged_prefill"}), frozenset(DTYPES)),
+        frozenset({"c", "dot_fp32", "dpbf16", "paged_prefill", "paged_prefill_fp32"}),
+        frozenset(DTYPES)),
     "AVX2 only": Machine(frozenset({"avx2"}), frozenset({"c"}), frozenset({torch.float32})),
 }
 

@@ -16,7 +16,6 @@ import nanoserve
 from nanoserve import LLM
 from nanoserve.engine import model_runner
 from nanoserve.engine.model_runner import fast_paths, step_inputs
-from nanoserve.utils import cpu
 from nanoserve_accel import kernels, optimize, plan
 from nanoserve_accel.linear import (
     AmxLinear,
@@ -77,9 +76,8 @@ def test_the_default_path_swaps_linears_attention_and_the_heap(freed_memory_call
     assert len(linears) == 4 * 2 + 1 and {type(m) for m in linears} == {expected}  # merged
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     backend = "torch+cpu-decode" if kernels.compile_kernels() else "torch"
-    if (dtype == "bfloat16" and kernels.has_paged_prefill(lib)
-            and "avx512_bf16" in cpu.cpu_flags()):
-        backend += "+cpu-prefill"  # bf16 prefill chunks: csrc/attention_prefill.c
+    if plan.prefill_attention(plan.Machine.probe(lib), runner.dtype) != "torch twin":
+        backend += "+cpu-prefill"  # prefill chunks: csrc/attention_prefill.c
     assert runner.backend.name == backend
     assert all(a.backend is runner.backend for a in runner.attn_layers)  # bound to it
     assert freed_memory_calls == [1]
