@@ -41,8 +41,9 @@ ARGTYPES = {"paged_decode": [_P] * 6 + [_I] * 7 + [_F, _I, _P, _I64],
             "silu_mul": [_P] * 2 + [_I] * 3, "decode_layer": [_P] * 8 + [_I, _I],
             "decode_layers": [_P, _I] + [_P] * 7 + [_I, _I, _P],
             "decode_model": [_P, _P, _I] + [_P] * 6 + [_I, _I, _P]}
-# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c, csrc/attention_prefill.c),
-# AMX (csrc/amx.c) or AVX-512F (csrc/dot_fp32.c): these have no dtype flag.
+# Built only where -march=native targets AVX512-BF16 (csrc/dpbf16.c), AMX (csrc/amx.c) or
+# AVX-512F (csrc/dot_fp32.c, csrc/attention_prefill.c): these have no dtype flag, but
+# paged_prefill's (its bf16 path only where built for AVX512-BF16), followed by its AMX flag.
 OPTIONAL_ARGTYPES = {"linear_dpbf16": [_P] * 4 + [_I] * 3,
                      "linear_dpbf16_blocked": [_P] * 4 + [_I] * 3,
                      "linear_amx": [_P] * 4 + [_I] * 3, "amx_init": [],
