@@ -31,13 +31,56 @@ typedef struct { /* one thread's work space, sized for the longest context of th
   float* sums; /* [VB][D]: AMX's p . v */
 } Space;
 
-#if defined(__AVX512BF16__)
-
-static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
-
 static inline void store16_bf16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256((__m256i*)p, bf16x16(x));
 }
+
+/* Scores s[0 .. L-1] (unscaled) -> e^(scale (s - max)) into p[0 .. padded - 1] (zeros past L),
+ * rounded to bf16 (BF16) or kept in fp32; returns 1 / the sum of the unrounded exponentials. 16
+ * lanes at a time, the last 16 masked. Always inlined: BF16 is then a constant. */
+static inline __attribute__((always_inline)) float softmax_row(const float* s, int L,
+                                                               float scale, void* p,
+                                                               int padded, const int BF16) {
+#define LANES(t) ((t) + 16 <= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - (t))) - 1))
+  __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+  for (int t = 0; t < L; t += 16) m = _mm512_mask_max_ps(m, LANES(t), m, _mm512_loadu_ps(s + t));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m)), k = _mm512_set1_ps(scale);
+  int t = 0;
+  for (; t < L; t += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max), k);
+    const __m512 e = _mm512_maskz_mov_ps(LANES(t), exp16(x));
+    sum = _mm512_add_ps(sum, e);
+    if (BF16) store16_bf16((uint16_t*)p + t, e);
+    else _mm512_storeu_ps((float*)p + t, e);
+  }
+#undef LANES
+  memset((char*)p + (size_t)t * (BF16 ? 2 : 4), 0, (size_t)(padded - t) * (BF16 ? 2 : 4));
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+/* A task's query vectors v0 .. v0 + VB - 1 (vector v: row v / G of the task, head
+ * kv_head * G + v % G), `esize` bytes an element: copied into qs (zeros past the task's nv),
+ * each one's element offset in q and out (-1 past the task) and how many keys it sees; returns
+ * the most any of them sees. */
+static int gather_block(const Task* task, const char* q, const int32_t* cu_q, int H, int G,
+                        int D, int before, int v0, int nv, int esize, char* qs, int64_t at[VB],
+                        int visible[VB]) {
+  int most = 0;
+  for (int i = 0; i < VB; ++i) {
+    const int v = v0 + i;
+    at[i] = v < nv ? (((int64_t)cu_q[task->seq] + task->row0 + v / G) * H +
+                      task->kv_head * G + v % G) * D : -1;
+    if (at[i] >= 0) memcpy(qs + (int64_t)i * D * esize, q + at[i] * esize, (size_t)D * esize);
+    else memset(qs + (int64_t)i * D * esize, 0, (size_t)D * esize);
+    visible[i] = at[i] >= 0 ? before + task->row0 + v / G + 1 : 0;
+    most = visible[i] > most ? visible[i] : most;
+  }
+  return most;
+}
+
+#if defined(__AVX512BF16__)
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 /* Keys 0 .. nk - 1 of one KV head, read through the block table into space->kt and space->vp,
  * zeros up to `padded` keys (a multiple of 32). */
@@ -180,26 +223,6 @@ static void configure_tiles(void) {
 #define AMX 0
 #endif
 
-/* Scores s[0 .. L-1] (unscaled) -> e^(scale (s - max)) rounded to bf16 into p[0 .. padded - 1]
- * (zeros past L); returns 1 / the sum of the unrounded exponentials. 16 lanes at a time, the
- * last 16 masked. */
-static inline float exp_to_bf16(const float* s, int L, float scale, uint16_t* p, int padded) {
-#define LANES(t) ((t) + 16 <= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - (t))) - 1))
-  __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-  for (int t = 0; t < L; t += 16) m = _mm512_mask_max_ps(m, LANES(t), m, _mm512_loadu_ps(s + t));
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m)), k = _mm512_set1_ps(scale);
-  int t = 0;
-  for (; t < L; t += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max), k);
-    const __m512 e = _mm512_maskz_mov_ps(LANES(t), exp16(x));
-    sum = _mm512_add_ps(sum, e);
-    store16_bf16(p + t, e);
-  }
-#undef LANES
-  memset(p + t, 0, (size_t)(padded - t) * 2);
-  return 1.f / _mm512_reduce_add_ps(sum);
-}
-
 static void run_task(const Task* task, const uint16_t* q, const uint16_t* k_cache,
                      const uint16_t* v_cache, const int32_t* cu_q, const int32_t* cu_k,
                      const int32_t* block_table, uint16_t* out, int H, int Hkv, int D,
@@ -211,20 +234,13 @@ static void run_task(const Task* task, const uint16_t* q, const uint16_t* k_cach
   lay_out_kv(k_cache, v_cache, block_table + (int64_t)s * max_blocks, nk, stride, task->kv_head,
              Hkv, D, block_size, space);
   for (int v0 = 0; v0 < nv; v0 += VB) {
-    /* vector v0 + i: row (v0 + i) / G of the task, head kv_head * G + (v0 + i) % G */
     uint16_t* o[VB];
     float inv[VB];
-    int visible[VB], most = 0;
-    for (int i = 0; i < VB; ++i) {
-      const int v = v0 + i;
-      const int64_t at = v < nv ? (((int64_t)cu_q[s] + task->row0 + v / G) * H +
-                                   task->kv_head * G + v % G) * D : -1;
-      if (at >= 0) memcpy(space->q + i * D, q + at, (size_t)D * 2);
-      else memset(space->q + i * D, 0, (size_t)D * 2);
-      o[i] = at >= 0 ? out + at : NULL;
-      visible[i] = at >= 0 ? before + task->row0 + v / G + 1 : 0;
-      most = visible[i] > most ? visible[i] : most;
-    }
+    int64_t at[VB];
+    int visible[VB];
+    const int most = gather_block(task, (const char*)q, cu_q, H, G, D, before, v0, nv, 2,
+                                  (char*)space->q, at, visible);
+    for (int i = 0; i < VB; ++i) o[i] = at[i] >= 0 ? out + at[i] : NULL;
     const int groups = (most + 15) / 16, npairs = ((most + 31) & ~31) / 2;
 #if AMX
     if (amx) qk_amx(space, groups, D, stride);
@@ -233,8 +249,8 @@ static void run_task(const Task* task, const uint16_t* q, const uint16_t* k_cach
       qk_dpbf16(space, groups, D, stride);
     for (int i = 0; i < VB; ++i) {
       uint16_t* probs = space->probs + (int64_t)i * stride;
-      if (visible[i]) inv[i] = exp_to_bf16(space->scores + (int64_t)i * stride, visible[i], scale,
-                                           probs, stride);
+      if (visible[i]) inv[i] = softmax_row(space->scores + (int64_t)i * stride, visible[i], scale,
+                                           probs, stride, 1);
       else memset(probs, 0, (size_t)stride * 2), inv[i] = 0.f; /* past the task's last row */
     }
 #if AMX
@@ -296,24 +312,6 @@ static void qk_fp32(const float* q, const float* kt, float* scores, int groups, 
   }
 }
 
-/* exp_to_bf16's softmax, its probabilities kept in fp32. */
-static inline float exp_to_fp32(const float* s, int L, float scale, float* p, int padded) {
-#define LANES(t) ((t) + 16 <= L ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - (t))) - 1))
-  __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-  for (int t = 0; t < L; t += 16) m = _mm512_mask_max_ps(m, LANES(t), m, _mm512_loadu_ps(s + t));
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m)), k = _mm512_set1_ps(scale);
-  int t = 0;
-  for (; t < L; t += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max), k);
-    const __m512 e = _mm512_maskz_mov_ps(LANES(t), exp16(x));
-    sum = _mm512_add_ps(sum, e);
-    _mm512_storeu_ps(p + t, e);
-  }
-#undef LANES
-  memset(p + t, 0, (size_t)(padded - t) * 4);
-  return 1.f / _mm512_reduce_add_ps(sum);
-}
-
 static inline __attribute__((always_inline)) void pv_fp32(const float* vp, const float* probs,
                                                           int nkeys, int stride, int D,
                                                           const float* inv,
@@ -353,22 +351,16 @@ static void run_task_fp32(const Task* task, const float* q, const float* k_cache
   for (int v0 = 0; v0 < nv; v0 += VB) {
     float* o[VB];
     float inv[VB];
-    int visible[VB], most = 0;
-    for (int i = 0; i < VB; ++i) { /* as run_task */
-      const int v = v0 + i;
-      const int64_t at = v < nv ? (((int64_t)cu_q[s] + task->row0 + v / G) * H +
-                                   task->kv_head * G + v % G) * D : -1;
-      if (at >= 0) memcpy(qs + i * D, q + at, (size_t)D * 4);
-      else memset(qs + i * D, 0, (size_t)D * 4);
-      o[i] = at >= 0 ? out + at : NULL;
-      visible[i] = at >= 0 ? before + task->row0 + v / G + 1 : 0;
-      most = visible[i] > most ? visible[i] : most;
-    }
+    int visible[VB];
+    int64_t at[VB];
+    const int most = gather_block(task, (const char*)q, cu_q, H, G, D, before, v0, nv, 4,
+                                  (char*)qs, at, visible);
+    for (int i = 0; i < VB; ++i) o[i] = at[i] >= 0 ? out + at[i] : NULL;
     qk_fp32(qs, kt, space->scores, (most + 15) / 16, D, stride);
     for (int i = 0; i < VB; ++i) {
       float* p = probs + (int64_t)i * stride;
-      if (visible[i]) inv[i] = exp_to_fp32(space->scores + (int64_t)i * stride, visible[i],
-                                           scale, p, stride);
+      if (visible[i]) inv[i] = softmax_row(space->scores + (int64_t)i * stride, visible[i],
+                                           scale, p, stride, 0);
       else memset(p, 0, (size_t)stride * 4), inv[i] = 0.f;
     }
     if (D == 64) pv_fp32(vp, probs, most, stride, D, inv, o, 4, 4);
