@@ -221,8 +221,9 @@ class ModelRunner:
         """The forward pass (every rank), and the sampling rows' logits (rank 0's)."""
         inputs = step.to(self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        return self.model.compute_logits(hidden[inputs.sample_indices]) \
-            if step.sample_indices else None
+        if len(step.sample_indices) < len(hidden):  # else every row, in order: nothing to gather
+            hidden = hidden[inputs.sample_indices]
+        return self.model.compute_logits(hidden) if step.sample_indices else None
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> ModelRunnerOutput:
         token_ids, logprobs = self.sampler(logits, [r.sampling_params for r in reqs],

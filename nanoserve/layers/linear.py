@@ -91,8 +91,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The logits of this rank's vocabulary rows, gathered on rank 0, where the sampler runs
-    (None elsewhere)."""
+    """Logits of this rank's vocabulary rows, gathered on rank 0 for the sampler; None elsewhere."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.gather(F.linear(hidden, self.weight))

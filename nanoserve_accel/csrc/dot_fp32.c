@@ -93,11 +93,29 @@ static inline __attribute__((always_inline)) void dot_columns(
   }
 }
 
+/* A lone row (a tied lm_head's plain table at one decode row) takes each column whole, one
+ * after another, 16 a task, without prefetches: W is then read as one front-to-back stream a
+ * thread, and the core overlaps the columns' chains of FMAs itself. In a group's COLS columns at
+ * once, its COLS rows of W were streams of their own, read a line at a time in turn, which the
+ * hardware prefetcher followed below memory speed. Zen 4 VM (avx512_bf16), SmolLM2-135M's
+ * [49152, 576] in float32 against torch's sum of 256 MB (2 MB pages), 3 runs: groups 1.19 /
+ * 1.15 / 1.57x the read, whole columns 0.99 / 1.02 / 1.25x (8 KB ahead 1.09 / 1.04 / 1.42x);
+ * the engine's step (kernel_ab.py) 0.980 of the groups'. The same sums in dot_block's order:
+ * the same bits. */
+enum { ONE_ROW_COLUMNS = 16 };
+
 /* One task per group of COLS adjacent columns (COLS rows of W, contiguous); "guided" hands out
  * runs of adjacent groups, as linear_panels() does. The last N % COLS columns one at a time (a handful
  * per layer, and only where N is not a multiple of 4). */
 void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
                      int K) {
+  if (M == 1) { /* a lone row: whole columns one after another (ONE_ROW_COLUMNS) */
+#pragma omp parallel for schedule(guided)
+    for (int n0 = 0; n0 < N; n0 += ONE_ROW_COLUMNS)
+      for (int n = n0; n < N && n < n0 + ONE_ROW_COLUMNS; ++n)
+        dot_block(x, w, bias, y, N, K, 0, n, 1, 1, 0);
+    return;
+  }
   const int groups = N / COLS;
 #pragma omp parallel for schedule(guided)
   for (int g = 0; g < groups; ++g) dot_columns(x, w, bias, y, N, M, K, g * COLS, COLS);
@@ -116,14 +134,12 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
  * the weights twice. */
 enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
 /* Bytes ahead in the column block's stream: 8 k where the weights' chunk is read again for more
- * blocks of rows (it should stay in L2); 32 k, non-temporal, where the rows are one block and W is
- * read once: lines fetched the usual way pass through L2 into the L3 (a victim cache on Zen 4),
- * evicting what the step reads again (each layer's KV, the activations, the Python between the
- * C calls). SmolLM2-135M one row 0.97-0.98 of the step with 2048 as T0 in 3 runs, Llama-3.2-1B
- * level. On 2 MB pages (hugepages.py) level with none (a C harness: 1.025 / 1.017 of a read,
- * none 1.020 / 1.013), on 4 KB pages ahead of none (0.922 / 0.877 against 0.962 / 0.926): kept,
- * unlike dpbf16.c's. */
-enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 8192 };
+ * blocks of rows (it should stay in L2); 16 k, into L2, where the rows are one block and W is read
+ * once. Non-temporal there (32 k ahead), so that the stream would not evict from L3 what the step
+ * reads again, had measured 0.97-0.98 of the step with 8 k into L1; into L2, the step against it,
+ * kernel_ab.py on the Zen 4 VM (avx512_bf16), SmolLM2-135M one row: 16 k 0.975, 32 k 0.984, 16 k
+ * non-temporal 0.987. (On 4 KB pages any prefetch here was ahead of none: 0.877-0.922.) */
+enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 4096 };
 
 /* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in
  * [k0, k1); `first`: the sums start at 0, else at y; `last`: add the bias. Always inlined: ROWS
@@ -144,7 +160,7 @@ static inline __attribute__((always_inline)) void blocked_rows(
     const float* wk = wb + (int64_t)k * FB_COLS;
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
-      if (once) __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH_ONCE, 0, 0);
+      if (once) __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH_ONCE, 0, 2);
       else __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
     }
 #pragma GCC unroll 4

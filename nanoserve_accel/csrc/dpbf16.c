@@ -102,14 +102,15 @@ void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int 
  * linear_dpbf16 on the plain weight (which a second, reordered copy for oneDNN had to sit
  * beside), and oneDNN on the plain bf16 weight took 1.51x its reordered time at 16 rows. */
 enum { BLOCK_COLS = 64, BLOCKED_ROWS = 7 };  /* 7 rows x 4 vectors: 28 accumulators of 32 */
-/* W streams front to back without software prefetches: the hardware prefetcher alone keeps up
- * now that the weights lie on 2 MB pages (hugepages.py). 2-core Zen 4 VM (avx512_bf16), a C
- * harness of 30 layers of SmolLM2-135M's four GEMMs, one row, against an AVX-512 read of the same
- * bytes, interleaved: 8 KB ahead non-temporal (as before) 1.055 / 1.137 / 1.062, none 1.000 /
- * 0.995 / 0.978; at 4 and 7 rows 1.30 -> 1.10 and 1.50-1.64 -> 1.47-1.48; on 4 KB pages level
- * or better too (1.001 -> 0.990, 1.037 -> 0.873 at 4 rows). kernel_ab.py, the engine's step, no
- * prefetch against 8 KB: 135M bf16 one row 0.953, 0.976, 4 rows 0.933, 16 rows 1.000 (oneDNN's),
- * Llama-3.2-1B shape one row 0.955. */
+/* Each k pair also asks for the line 4 KB ahead in its column block (past its end: the next
+ * block, which a run of "guided" tasks reads next), into L2. On 2 MB pages (hugepages.py) the
+ * hardware prefetcher alone had measured level with or ahead of 8 KB ahead non-temporal (the
+ * step 0.953 / 0.976 of it); but with the rows' reads in flight a core of the Zen 4 VM
+ * (avx512_bf16) keeps only a few KB of misses outstanding, and a block started cold. kernel_ab.py,
+ * SmolLM2-135M bf16, one row, the step against none: 4 KB ahead 0.970, 0.976 (read at 33 GB/s),
+ * 0.961 (57 GB/s); 6 KB 0.961; 2 KB 0.980; 8 KB 1.010; non-temporal 1.046 (4 KB), 1.048 (8 KB),
+ * 1.064 (2 KB) against 4 KB into L2. */
+enum { AHEAD = 4096 };
 
 static inline __attribute__((always_inline)) void blocked_rows(
     const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int N, int K,
@@ -124,6 +125,8 @@ static inline __attribute__((always_inline)) void blocked_rows(
   const uint32_t* xp = (const uint32_t*)(x + (int64_t)m0 * K);
   for (int i = 0; i < pairs; ++i) {
     const uint16_t* wk = wb + (int64_t)i * 2 * BLOCK_COLS;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) __builtin_prefetch((const char*)(wk + 32 * c) + AHEAD, 0, 2);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 32 * c);
