@@ -102,14 +102,15 @@ void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int 
  * linear_dpbf16 on the plain weight (which a second, reordered copy for oneDNN had to sit
  * beside), and oneDNN on the plain bf16 weight took 1.51x its reordered time at 16 rows. */
 enum { BLOCK_COLS = 64, BLOCKED_ROWS = 7 };  /* 7 rows x 4 vectors: 28 accumulators of 32 */
-/* Each k pair also asks for the line 4 KB ahead in its column block (past its end: the next
- * block, which a run of "guided" tasks reads next), into L2. On 2 MB pages (hugepages.py) the
- * hardware prefetcher alone had measured level with or ahead of 8 KB ahead non-temporal (the
- * step 0.953 / 0.976 of it); but with the rows' reads in flight a core of the Zen 4 VM
- * (avx512_bf16) keeps only a few KB of misses outstanding, and a block started cold. kernel_ab.py,
- * SmolLM2-135M bf16, one row, the step against none: 4 KB ahead 0.970, 0.976 (read at 33 GB/s),
- * 0.961 (57 GB/s); 6 KB 0.961; 2 KB 0.980; 8 KB 1.010; non-temporal 1.046 (4 KB), 1.048 (8 KB),
- * 1.064 (2 KB) against 4 KB into L2. */
+/* A lone row also asks, at each k pair, for the line 4 KB ahead in its column block (past its
+ * end: the next block, which a run of "guided" tasks reads next), into L2. On 2 MB pages
+ * (hugepages.py) the hardware prefetcher alone had measured level with or ahead of 8 KB ahead
+ * non-temporal (the step 0.953 / 0.976 of it); but a core of the Zen 4 VM (avx512_bf16) keeps
+ * only a few KB of misses in flight, and each block started cold. kernel_ab.py, SmolLM2-135M
+ * bf16, one row, the step against none: 4 KB ahead 0.970, 0.976 (read at 33 GB/s), 0.961 (57
+ * GB/s); 6 KB 0.961; 2 KB 0.980; 8 KB 1.010; non-temporal 1.046-1.064 of 4 KB into L2;
+ * Llama-3.2-1B shape 0.994. From 2 rows on the kernel computes more per byte and the same
+ * prefetches cost: 2 rows 1.07, 4 rows 1.23 of none. */
 enum { AHEAD = 4096 };
 
 static inline __attribute__((always_inline)) void blocked_rows(
@@ -126,7 +127,8 @@ static inline __attribute__((always_inline)) void blocked_rows(
   for (int i = 0; i < pairs; ++i) {
     const uint16_t* wk = wb + (int64_t)i * 2 * BLOCK_COLS;
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) __builtin_prefetch((const char*)(wk + 32 * c) + AHEAD, 0, 2);
+    for (int c = 0; c < 4 && ROWS == 1; ++c)
+      __builtin_prefetch((const char*)(wk + 32 * c) + AHEAD, 0, 2);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wk + 32 * c);
