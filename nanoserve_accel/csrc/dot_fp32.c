@@ -140,7 +140,8 @@ enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
  * C calls). SmolLM2-135M one row 0.97-0.98 of the step with 2048 as T0 in 3 runs, Llama-3.2-1B
  * level. On 4 KB pages ahead of none (a C harness: 0.922 / 0.877 against 0.962 / 0.926). A lone
  * row (the engine's step, kernel_ab.py, Zen 4 VM): 16 k ahead into L2 0.975 of that (32 k 0.984,
- * 16 k non-temporal 0.987; Llama-3.2-1B shape 0.980); at 2 and 4 rows level with it. */
+ * 16 k non-temporal 0.987; Llama-3.2-1B shape, with the one-row LM head above, 0.980); at 2 and 4
+ * rows level with it. */
 enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 8192, FB_ONE_ROW = 4096 };
 
 /* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in
