@@ -1,94 +1,154 @@
-"""Where a decode step's time goes on the optimized CPU path: the same step timed with the C
-decode attention, the C GEMM, or both replaced by no-ops (interleaved, median of the steps).
+"""Where a decode step's time goes on the CPU fast path, part by part, each GEMM beside the time
+to read its weights (issue 37's bound for one row: the step within 1.15x of reading what it reads).
 
-    python nanoserve_accel/bench/step_breakdown.py              # float32, 1/16/64 rows
-    python nanoserve_accel/bench/step_breakdown.py --dtype bfloat16 --rows 16
+The kernels are built with -DSTEP_PARTS (a build of their own in the cache), so that csrc/layer.c
+times each part of every layer: the four GEMMs, the decode attention, and the element-wise steps
+with the cache write ("other C"). Around it this times the LM head's GEMM and the whole step
+(`execute_model`); "the rest" is the step less those: the embedding and final norm, the sampler,
+the step's Python. Each timed step follows an untimed one, as step_times.py runs them, and is
+followed by step_times.py's read of 256 MB: the memory's rate in the same moments, by which each
+part's "x read" is its time over reading its weights. The marks cost ~25 ns each, 7 a layer.
 
-"attention" = full step - step without attention (the decode kernel and the C cache write);
-"GEMMs" = full step - step without GEMMs; "the rest" = the step with neither (norms, rotary,
-residual adds, sampling, Python). The no-op steps compute garbage; only their time is used.
-Only the C GEMMs of PanelsLinear and DotFp32Linear are replaced: where the fast path takes oneDNN
-(bf16 on native-bf16 CPUs, fp32 from 64 rows on AVX-512) or the dpbf16 GEMM, its GEMMs stay in
-"the rest"; use gemm_compare.py for those. Nor are those of a decode layer run as one C call
-(csrc/layer.c: every row decoding, up to the plan's rows), whose kernels stay in "the rest".
+    python nanoserve_accel/bench/step_breakdown.py                 # the bundled model, 1 row
+    python nanoserve_accel/bench/step_breakdown.py --dtype float32 --rows 1,4 --steps 60
+    python nanoserve_accel/bench/step_breakdown.py --model DIR     # e.g. make_model.py's 1B
+
+A VM's memory rate can drift between two levels within minutes (the Zen 4 VM of docs/benchmarks.md:
+~35 and ~60 GB/s), so the steps are reported in two groups, split at --split GB/s (default: halfway
+between the slowest and fastest read seen, where they are over 1.3x apart).
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+import os
 
-import torch
+# Before nanoserve_accel.kernels is imported (its flags are read then): the marks built in.
+os.environ["NANOSERVE_KERNEL_CFLAGS"] = " ".join(
+    [os.environ.get("NANOSERVE_KERNEL_CFLAGS", ""), "-DSTEP_PARTS"]).strip()
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-from step_times import decode_batch, make_runner  # noqa: E402
+from step_times import READ_BYTES, decode_batch, make_runner, read_buffer  # noqa: E402
 
-from nanoserve.entrypoints.bundled import default_model_dir
-from nanoserve.layers.attention import get_backend
-from nanoserve_accel import kernels, paged_attention
-from nanoserve_accel.linear import DotFp32Linear, PanelsLinear
+from nanoserve.engine.model_runner import ModelRunner  # noqa: E402
+from nanoserve.entrypoints.bundled import default_model_dir  # noqa: E402
+from nanoserve.utils import cpu  # noqa: E402
+from nanoserve_accel.layer import FusedDecoderModel  # noqa: E402
+
+PARTS = ("other C", "qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj")  # layer.c's
+GEMMS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+COLUMNS = ("step", *GEMMS, "lm_head", "attention", "other C", "the rest")
 
 
-def no_op_library(directory: str) -> ctypes.CDLL:
-    """The kernels' names, each doing nothing."""
-    source, target = Path(directory) / "noop.c", Path(directory) / "noop.so"
-    names = {**kernels.ARGTYPES, **kernels.OPTIONAL_ARGTYPES}
-    source.write_text("".join(f"int {name}(void) {{ return -1; }}\n"  # -1: "no error"
-                                 for name in names))
-    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
-    lib = ctypes.CDLL(str(target))
-    for name, argtypes in names.items():
-        getattr(lib, name).argtypes = argtypes
-    return lib
+def weight_bytes(runner: ModelRunner) -> dict[str, int]:
+    """The bytes each GEMM kind reads a step, all layers together, and the LM head's."""
+    layers, size = runner.model.model.fused, runner.dtype.itemsize
+    found = {name: sum(getattr(layer.args, field).n * getattr(layer.args, field).k * size
+                       for layer in layers) for name, field in GEMMS.items()}
+    head = runner.model.lm_head
+    return found | {"lm_head": head.n * head.k * size}
+
+
+def time_steps(runner: ModelRunner, rows: int, context: int, steps: int) -> list[dict]:
+    """`steps` timed steps of `rows` decode rows (after two more), each as ms per column and
+    the ms the read between took."""
+    model = runner.model.model
+    lib = model.lib
+    lib.step_parts.argtypes = [ctypes.c_void_p]
+    parts = (ctypes.c_int64 * len(PARTS))()
+    head_s = [0.0]
+    logits_of = runner.model.compute_logits
+
+    def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        logits = logits_of(hidden)
+        head_s[0] = time.perf_counter() - t
+        return logits
+
+    runner.model.compute_logits = timed_logits  # this instance only, for this script
+    out, found = decode_batch(runner, rows, context), []
+    for step in range(steps + 2):
+        runner.execute_model(out)
+        lib.step_parts(parts)  # from 0
+        t = time.perf_counter()
+        runner.execute_model(out)
+        step_s = time.perf_counter() - t
+        lib.step_parts(parts)
+        t = time.perf_counter()
+        read_buffer().sum()
+        read_s = time.perf_counter() - t
+        if step < 2:
+            continue
+        ms = {name: parts[i] / 1e6 for i, name in enumerate(PARTS)}
+        ms |= {"step": step_s * 1e3, "lm_head": head_s[0] * 1e3, "read": read_s * 1e3}
+        ms["the rest"] = ms["step"] - sum(ms[name] for name in (*PARTS, "lm_head"))
+        found.append(ms)
+    del runner.model.compute_logits
+    return found
+
+
+def report(steps: list[dict], rows: int, step_bytes: int, gemm_bytes: dict[str, int]) -> str:
+    """One table row of the steps' medians; each GEMM's ms with its time over reading its
+    weights, the step's over reading its weights and KV (each step over its own read)."""
+    def x_read(name: str, nbytes: int) -> float:
+        return statistics.median(s[name] / (nbytes / READ_BYTES * s["read"]) for s in steps)
+
+    rate = statistics.median(READ_BYTES / s["read"] / 1e6 for s in steps)
+    step = statistics.median(s["step"] for s in steps)
+    cells = [f"{step:.2f} ({x_read('step', step_bytes):.2f})"]
+    for name in (*GEMMS, "lm_head"):
+        cells.append(f"{statistics.median(s[name] for s in steps):.2f} "
+                     f"({x_read(name, gemm_bytes[name]):.2f})")
+    cells += [f"{statistics.median(s[name] for s in steps):.2f}"
+              for name in ("attention", "other C", "the rest")]
+    return f"| {rows} | {rate:.0f} | {len(steps)} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 where the CPU has native "
+                    "bf16, else float32")
     ap.add_argument("--model", default=None, help="HF directory (default: the bundled SmolLM2)")
-    ap.add_argument("--rows", default="1,16,64")
-    ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--block-size", type=int, default=None, help="KV block size (the engine's "
-                    "default: 128 on a CPU)")
+    ap.add_argument("--rows", default="1")
+    ap.add_argument("--context", type=int, default=240)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--split", type=float, default=None,
+                    help="GB/s between the two groups (0: one group)")
     args = ap.parse_args()
+    dtype = args.dtype or ("bfloat16" if cpu.has_native_bf16() else "float32")
     rows_list = [int(r) for r in args.rows.split(",")]
-    lib = kernels.compile_kernels()
-    if lib is None:
-        raise SystemExit("no C kernels here (no compiler): nothing to break down")
-    runner = make_runner(args.model or default_model_dir(), args.dtype, max(rows_list), 240,
-                         args.block_size)
-    twin = get_backend("torch")
-    linears = [m for m in runner.model.modules() if isinstance(m, (PanelsLinear, DotFp32Linear))]
-    with tempfile.TemporaryDirectory() as tmp:
-        noop = no_op_library(tmp)
-        variants = {"full": (lib, lib), "no attention": (noop, lib), "no GEMMs": (lib, noop),
-                    "neither": (noop, noop)}
-        print(f"{args.dtype}, threads {torch.get_num_threads()}, 240 tokens of context")
-        for rows in rows_list:
-            out = decode_batch(runner, rows, 240)
-            times: dict[str, list[float]] = {name: [] for name in variants}
-            for step in range(args.steps + 2):  # two warm-up steps
-                for name, (attention_lib, gemm_lib) in variants.items():
-                    backend = paged_attention.with_decode_kernel(twin, attention_lib)
-                    for layer in runner.attn_layers:
-                        layer.backend = backend
-                    for linear in linears:
-                        linear.gemm = (gemm_lib.linear_panels if isinstance(linear, PanelsLinear)
-                                       else gemm_lib.linear_dot_fp32)
-                    t = time.perf_counter()
-                    runner.execute_model(out)
-                    if step >= 2:
-                        times[name].append(time.perf_counter() - t)
-            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            print(f"{rows:3d} rows: step {ms['full']:.1f} ms = attention "
-                  f"{ms['full'] - ms['no attention']:.1f} + GEMMs {ms['full'] - ms['no GEMMs']:.1f}"
-                  f" + the rest ~{ms['neither']:.1f}")
+    runner = make_runner(args.model or default_model_dir(), dtype, max(rows_list), args.context)
+    if not isinstance(runner.model.model, FusedDecoderModel):
+        raise SystemExit("this model's decode layers are not one C call here: nothing to time")
+    gemm_bytes = weight_bytes(runner)
+    kv_token_bytes = runner.kv_bytes_per_block() // runner.block_size
+    print(cpu.describe())
+    print(f"{dtype}, {torch.get_num_threads()} threads, {args.context} tokens of context; ms "
+          "(x the time to read its weights, or the step's weights and KV, at the read's rate "
+          "after each step)")
+    print("| rows | read GB/s | steps | " + " | ".join(COLUMNS) + " |")
+    print("|---" * (len(COLUMNS) + 3) + "|")
+    for rows in rows_list:
+        steps = time_steps(runner, rows, args.context, args.steps)
+        if not any(s["qkv_proj"] for s in steps):
+            print(f"| {rows} | the decode layers did not run as one C call at this row count |")
+            continue
+        rates = [READ_BYTES / s["read"] / 1e6 for s in steps]  # GB/s
+        split = args.split if args.split is not None else (
+            (min(rates) + max(rates)) / 2 if max(rates) > 1.3 * min(rates) else 0)  # 0: one group
+        step_bytes = runner.weight_bytes + rows * args.context * kv_token_bytes
+        for group in ([s for s, r in zip(steps, rates) if r < split],
+                      [s for s, r in zip(steps, rates) if r >= split]):
+            if group:
+                print(report(group, rows, step_bytes, gemm_bytes))
 
 
 if __name__ == "__main__":

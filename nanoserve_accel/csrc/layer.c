@@ -79,6 +79,29 @@ static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
   }
 }
 
+/* Where a layer's time goes, built with -DSTEP_PARTS (nanoserve_accel/bench/step_breakdown.py):
+ * decode_layer adds each part's nanoseconds to part_ns, step_parts() hands them over and starts
+ * again from 0. In the engine's build the marks are nothing. */
+#ifdef STEP_PARTS
+#include <time.h>
+enum { PART_OTHER, PART_QKV, PART_ATTENTION, PART_O, PART_GATE_UP, PART_DOWN, NUM_PARTS };
+static int64_t part_ns[NUM_PARTS];
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+void step_parts(int64_t* out) {
+  for (int i = 0; i < NUM_PARTS; ++i) out[i] = part_ns[i], part_ns[i] = 0;
+}
+#define MARKS_START int64_t mark_ = now_ns()
+#define MARK(part) \
+  do { const int64_t t_ = now_ns(); part_ns[part] += t_ - mark_; mark_ = t_; } while (0)
+#else
+#define MARKS_START (void)0
+#define MARK(part) (void)0
+#endif
+
 /* out = x + y, all [count], rounded to their dtype as torch's add rounds (out may be x). */
 static void add(const void* x, const void* y, void* out, int64_t count, int bf16) {
   if (bf16) /* one loop per dtype, each a constant in it: vector code */
@@ -103,23 +126,24 @@ int decode_layer(const struct layer* L, const void* x, void* out, const void* co
   char *att = v + esize * rows * kv_width, *gate_up = att + esize * rows * q_width;
   char* act = gate_up + esize * rows * L->gate_up.n;
   int status = -1, bad;
-  rms_norm(x, L->input_norm, h, n, L->hidden, L->eps, L->bf16);
-  if (gemm(&L->qkv, h, qkv, n, L->bf16)) { status = -2; goto done; }
+  MARKS_START;
+  rms_norm(x, L->input_norm, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
+  if (gemm(&L->qkv, h, qkv, n, L->bf16)) { status = -2; goto done; } MARK(PART_QKV);
   qkv_rope(qkv, cos, sin, q, k, v, n, L->H, L->Hkv, L->D, L->bf16);
   bad = store_kv(k, v, L->k_cache, L->v_cache, slots, n, kv_width * esize,
                  (int64_t)L->num_blocks * L->block_size);
-  if (bad >= 0) { status = n + bad; goto done; }
+  if (bad >= 0) { status = n + bad; goto done; } MARK(PART_OTHER);
   bad = paged_decode(q, L->k_cache, L->v_cache, block_table, lens, att, n, L->H, L->Hkv, L->D,
                      L->block_size, W, L->num_blocks, L->scale, L->bf16, L->o.w,
                      (int64_t)L->o.n * L->o.k * esize); /* o_proj's weights: read next */
-  if (bad >= 0) { status = bad; goto done; }
-  if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; }
+  if (bad >= 0) { status = bad; goto done; } MARK(PART_ATTENTION);
+  if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_O);
   add(x, h, out, rows * L->hidden, L->bf16);
-  rms_norm(out, L->post_norm, h, n, L->hidden, L->eps, L->bf16);
-  if (gemm(&L->gate_up, h, gate_up, n, L->bf16)) { status = -2; goto done; }
-  silu_mul(gate_up, act, n, L->I, L->bf16);
-  if (gemm(&L->down, act, h, n, L->bf16)) { status = -2; goto done; }
-  add(out, h, out, rows * L->hidden, L->bf16);
+  rms_norm(out, L->post_norm, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
+  if (gemm(&L->gate_up, h, gate_up, n, L->bf16)) { status = -2; goto done; } MARK(PART_GATE_UP);
+  silu_mul(gate_up, act, n, L->I, L->bf16); MARK(PART_OTHER);
+  if (gemm(&L->down, act, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_DOWN);
+  add(out, h, out, rows * L->hidden, L->bf16); MARK(PART_OTHER);
 done:
   free(ws);
   return status;

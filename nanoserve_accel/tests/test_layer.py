@@ -5,6 +5,7 @@ within its GEMMs' row limits, and bad slots or block ids still raise the modules
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import pytest
@@ -205,3 +206,24 @@ def test_the_input_rows_are_not_written():
     with torch.inference_mode():
         out = layer(x, cos, sin, inputs.attn_metadata)
     assert torch.equal(x, before) and not torch.equal(out, x)
+
+
+def test_step_parts_build_times_each_part_and_computes_the_same(monkeypatch):
+    """bench/step_breakdown.py's build (-DSTEP_PARTS): the same values, and each part's time,
+    handed over once."""
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-DSTEP_PARTS"])
+    parts_lib = kernels.compile_kernels.__wrapped__()  # (the cached call: the engine's build)
+    parts_lib.step_parts.argtypes = [ctypes.c_void_p]
+    parts = (ctypes.c_int64 * 6)()
+    plain, timed = (fast_model(CONFIGS[0], torch.float32, True) for _ in "ab")
+    for module in timed.modules():
+        if isinstance(module, (FusedDecoderLayer, FusedDecoderModel)):
+            module.lib = parts_lib
+    forward(plain, STEPS[0]), forward(timed, STEPS[0])  # prefill: the modules
+    parts_lib.step_parts(parts)
+    assert torch.equal(forward(timed, STEPS[3]), forward(plain, STEPS[3]))  # three decode rows
+    parts_lib.step_parts(parts)
+    assert all(ns > 0 for ns in parts)  # other, qkv, attention, o, gate_up, down
+    parts_lib.step_parts(parts)
+    assert not any(parts)  # handed over: from 0 again
+    assert not hasattr(LIB, "step_parts")  # the engine's build has no marks

@@ -298,3 +298,22 @@ def test_kernel_ab_help_works():
     out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/kernel_ab.py"), "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "rotates" in out and "csrc" in out
+
+
+def test_step_breakdown_times_each_part_on_a_tiny_model():
+    """nanoserve_accel/bench/step_breakdown.py end to end: its build with the marks, one row of
+    the table per row count, every part timed (no figure is asserted)."""
+    import subprocess
+
+    from nanoserve_accel import kernels
+    from tests.common.tiny_model import tiny_model_dir
+
+    if kernels.compile_kernels() is None:
+        pytest.skip("no C compiler here")
+    out = subprocess.run([sys.executable, str(ROOT / "nanoserve_accel/bench/step_breakdown.py"),
+                          "--model", tiny_model_dir(), "--dtype", "float32", "--rows", "1,2",
+                          "--steps", "3", "--context", "20", "--split", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [r[0] for r in rows] == ["| 1", "| 2"]
+    assert all(len(r) == 12 and float(r[-1].rstrip(" |")) > 0 for r in rows)  # "the rest"
