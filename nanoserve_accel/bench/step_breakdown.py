@@ -48,7 +48,7 @@ GEMMS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj
 COLUMNS = ("step", *GEMMS, "lm_head", "attention", "other C", "the rest")
 
 
-def weight_bytes(runner: ModelRunner) -> dict[str, int]:
+def gemm_weight_bytes(runner: ModelRunner) -> dict[str, int]:
     """The bytes each GEMM kind reads a step, all layers together, and the LM head's."""
     layers, size = runner.model.model.fused, runner.dtype.itemsize
     found = {name: sum(getattr(layer.args, field).n * getattr(layer.args, field).k * size
@@ -95,13 +95,18 @@ def time_steps(runner: ModelRunner, rows: int, context: int, steps: int) -> list
     return found
 
 
+def read_rate(step: dict) -> float:
+    """GB/s of the read after `step`."""
+    return READ_BYTES / step["read"] / 1e6
+
+
 def report(steps: list[dict], rows: int, step_bytes: int, gemm_bytes: dict[str, int]) -> str:
     """One table row of the steps' medians; each GEMM's ms with its time over reading its
     weights, the step's over reading its weights and KV (each step over its own read)."""
     def x_read(name: str, nbytes: int) -> float:
         return statistics.median(s[name] / (nbytes / READ_BYTES * s["read"]) for s in steps)
 
-    rate = statistics.median(READ_BYTES / s["read"] / 1e6 for s in steps)
+    rate = statistics.median(read_rate(s) for s in steps)
     step = statistics.median(s["step"] for s in steps)
     cells = [f"{step:.2f} ({x_read('step', step_bytes):.2f})"]
     for name in (*GEMMS, "lm_head"):
@@ -128,7 +133,7 @@ def main() -> None:
     runner = make_runner(args.model or default_model_dir(), dtype, max(rows_list), args.context)
     if not isinstance(runner.model.model, FusedDecoderModel):
         raise SystemExit("this model's decode layers are not one C call here: nothing to time")
-    gemm_bytes = weight_bytes(runner)
+    gemm_bytes = gemm_weight_bytes(runner)
     kv_token_bytes = runner.kv_bytes_per_block() // runner.block_size
     print(cpu.describe())
     print(f"{dtype}, {torch.get_num_threads()} threads, {args.context} tokens of context; ms "
@@ -141,7 +146,7 @@ def main() -> None:
         if not any(s["qkv_proj"] for s in steps):
             print(f"| {rows} | the decode layers did not run as one C call at this row count |")
             continue
-        rates = [READ_BYTES / s["read"] / 1e6 for s in steps]  # GB/s
+        rates = [read_rate(s) for s in steps]
         split = args.split if args.split is not None else (
             (min(rates) + max(rates)) / 2 if max(rates) > 1.3 * min(rates) else 0)  # 0: one group
         step_bytes = runner.weight_bytes + rows * args.context * kv_token_bytes
