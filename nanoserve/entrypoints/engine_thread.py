@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import queue
 import signal
@@ -125,11 +126,22 @@ class EngineThread:
         try:
             self.llm = self.build()
             self.metrics = Metrics(self.llm)
+            # What exists now (modules, the model, the tokenizer) lives to the end: out of the
+            # garbage collector's sight (vLLM's freeze_gc_heap), or every so many requests a
+            # full collection walks it all while the whole process waits (docs/serving.md).
+            gc.collect()
+            gc.freeze()
         except BaseException as e:  # ValueError: a bad flag; main() exits with it
             self.error = e
             return
         finally:
             self.ready.set()
+        try:
+            self._serve()
+        finally:
+            gc.unfreeze()  # in-process (tests): the LLM is collectable again once dropped
+
+    def _serve(self) -> None:
         while self.fatal is None and self._receive(block=not self.llm.has_unfinished_requests()):
             self._step()
         if self.fatal is not None:

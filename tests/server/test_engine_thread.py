@@ -6,6 +6,7 @@ bounded."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 from nanoserve import LLM, SamplingParams
@@ -65,3 +66,19 @@ def test_a_build_that_fails_is_handed_to_main():
     assert isinstance(engine.error, ValueError) and "dtype" in str(engine.error)
     engine.thread.join(10)
     assert not engine.thread.is_alive() and engine.llm is None
+
+
+def test_the_heap_built_before_serving_is_frozen_until_the_thread_ends():
+    """A full collection would walk everything the LLM's build left (vLLM freezes it too);
+    frozen while the thread serves, collectable again once it stops."""
+    assert gc.get_freeze_count() == 0
+    engine = EngineThread(tiny_llm)
+    assert engine.ready.wait(120) and engine.error is None
+    try:
+        assert gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        [out] = tiny_llm().generate([[5, 17, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out.token_ids) == 2 and gc.get_freeze_count() <= frozen  # none added later
+    finally:
+        engine.stop()
+    assert not engine.thread.is_alive() and gc.get_freeze_count() == 0
