@@ -129,7 +129,10 @@ def test_logprobs_through_the_client_are_hf_log_softmax(server, ref_llm):
     streamed = [c.choices[0].logprobs for c in client.completions.create(
         model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, stream=True,
         extra_body={"ignore_eos": True}) if c.choices[0].logprobs]
-    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    # approx: without the fast-path plugin torch's GEMMs sum in an order that depends on the
+    # team's size, which follows the cores this test process leaves (cpu_share.py)
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                            abs=1e-4)
     assert [x for s in streamed for x in s.text_offset] == lp.text_offset
 
     messages = [{"role": "user", "content": "Hi"}]
