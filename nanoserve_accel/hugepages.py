@@ -3,8 +3,11 @@ pages it misses the TLB every 4 KB, and in a virtual machine each miss walks two
 guest's and the host's. In the `madvise` mode (Ubuntu's default, and this VM's) Linux gives huge
 pages only to memory that asks, and torch asks for none; so once the model is laid out, its
 weights' pages are made huge in place (MADV_COLLAPSE, Linux 6.1): no copy kept, no address moved.
-On an older kernel, or with transparent huge pages off, the call fails and the pages stay as
-they were. Figures: docs/benchmarks.md ("Huge pages")."""
+Every 2 MB page that holds a weight byte, whole: oneDNN's laid-out weights lie apart in the heap,
+and whole pages within them alone left most of qkv_proj's and o_proj's on 4 KB pages. The bytes
+of the heap that share a page with a weight move with it (the kernel copies the page; their
+values and addresses stay). On an older kernel, or with transparent huge pages off, the call
+fails and the pages stay as they were. Figures: docs/benchmarks.md ("Huge pages")."""
 
 from __future__ import annotations
 
@@ -39,16 +42,16 @@ def weight_ranges(model: nn.Module) -> list[tuple[int, int]]:
 
 
 def huge_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The whole 2 MB pages within runs of `ranges` no more than GAP apart, as (address, bytes):
-    rounded inward, so that no memory around the weights is touched."""
+    """The 2 MB pages that hold any byte of `ranges`, as (address, bytes): runs of them, those
+    no more than GAP apart joined (one madvise call for the heap's weights laid out in turn)."""
     runs: list[list[int]] = []
-    for start, size in sorted(ranges):
-        if runs and start <= runs[-1][1] + GAP:
-            runs[-1][1] = max(runs[-1][1], start + size)
+    for start, size in sorted(r for r in ranges if r[1] > 0):
+        first, end = start // HUGE_PAGE * HUGE_PAGE, -(-(start + size) // HUGE_PAGE) * HUGE_PAGE
+        if runs and first <= runs[-1][1] + GAP:
+            runs[-1][1] = max(runs[-1][1], end)
         else:
-            runs.append([start, start + size])
-    spans = [(-(-a // HUGE_PAGE) * HUGE_PAGE, b // HUGE_PAGE * HUGE_PAGE) for a, b in runs]
-    return [(a, b - a) for a, b in spans if b > a]
+            runs.append([first, end])
+    return [(a, b - a) for a, b in runs]
 
 
 def collapse(ranges: list[tuple[int, int]]) -> int:
@@ -59,8 +62,14 @@ def collapse(ranges: list[tuple[int, int]]) -> int:
     madvise = ctypes.CDLL(None).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
-    for address, size in huge_spans(ranges):  # a span refused (EINVAL, EAGAIN...) is skipped
-        done += size if madvise(address, size, MADV_COLLAPSE) == 0 else 0
+    for address, size in huge_spans(ranges):
+        if madvise(address, size, MADV_COLLAPSE) == 0:
+            done += size
+            continue
+        # Refused: a page of the run the kernel cannot make huge (past the end of its mapping,
+        # EAGAIN...) fails the whole call. Page by page, the others still are.
+        for page in range(address, address + size, HUGE_PAGE):
+            done += HUGE_PAGE if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0 else 0
     return done
 
 
@@ -68,5 +77,6 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     """collapse() the model's weights; logs and returns the bytes now on huge pages."""
     ranges = weight_ranges(model)
     done = collapse(ranges)
-    log.debug("huge pages: %d of %d MB of weights", done >> 20, sum(s for _, s in ranges) >> 20)
+    log.debug("huge pages: %d MB made huge for %d MB of weights", done >> 20,
+              sum(s for _, s in ranges) >> 20)
     return done
