@@ -210,7 +210,17 @@ static void merge_parts(const float* part_out, const float* part_lse, int n, voi
  * thread out of tasks while another still computes asks for it, 4 KB at a time, until the last
  * task is done: the attention reads a few cache lines at a time, the memory is otherwise idle.
  * 2-core Zen 3 VM (AVX2), SmolLM2-135M bf16, one row at 240 tokens (3 tasks on 2 threads): the
- * o_proj GEMM after it 29.1, 28.0 -> 22.7, 22.5 us a layer, the attention level (37-41 us). */
+ * o_proj GEMM after it 29.1, 28.0 -> 22.7, 22.5 us a layer, the attention level (37-41 us).
+ * Not asked where the AVX-512 attention is built: on the 2-core Zen 4 VM (avx512_bf16) the
+ * remaining task slowed by as much as o_proj gained where the memory read at ~35 GB/s, and
+ * o_proj slowed too at ~65 (0.46 -> 0.55-0.57 ms a step); kernel_ab.py, 135M bf16, one row, the
+ * step without over with: 0.975, 0.985 at 63-65 GB/s, 1.001 at 35; float32 and Llama-3.2-1B's
+ * shape level (1.000-1.003, 0.999). */
+#ifdef __AVX512F__
+enum { ASK_FOR_NEXT = 0 };
+#else
+enum { ASK_FOR_NEXT = 1 };
+#endif
 int paged_decode(ARGS, int bf16, const void* next, int64_t next_bytes) {
   const int bad = first_bad_request(block_table, lens, B, W, block_size, num_blocks);
   if (bad >= 0) return bad;
@@ -227,7 +237,7 @@ int paged_decode(ARGS, int bf16, const void* next, int64_t next_bytes) {
   const int64_t row_bytes = (int64_t)H * D * (bf16 ? 2 : 4);
   int finished = 0;                           /* tasks done */
   int64_t asked = 0;                          /* 4 KB pieces of `next` taken */
-  const int64_t pieces_of_next = next ? (next_bytes + 4095) / 4096 : 0;
+  const int64_t pieces_of_next = next && ASK_FOR_NEXT ? (next_bytes + 4095) / 4096 : 0;
 #pragma omp parallel if (tasks > 1) /* one task: no thread to wake for it */
   {
     struct scratch buf = {0};
