@@ -11,7 +11,7 @@ It is the only place anything is swapped in, and it swaps whole modules:
     top-p filter the likeliest tokens only and each row's largest logit is found in C
     (sampler.py, csrc/fused.c), and freed buffers stay in the heap
     (kernels.keep_freed_memory, process-wide); the weights, laid out, are moved onto 2 MB
-    pages (hugepages.py).
+    pages, and the KV cache is allocated on them (hugepages.py).
 The results equal the plain path's (nanoserve_accel/tests/)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from nanoserve_accel import kernels, plan
 from nanoserve_accel.fused import fuse_elementwise
-from nanoserve_accel.hugepages import weights_on_huge_pages
+from nanoserve_accel.hugepages import huge_zeros, weights_on_huge_pages
 from nanoserve_accel.layer import fuse_layers
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
@@ -44,6 +44,7 @@ def optimize(runner: ModelRunner) -> None:
     if lib is not None:
         use_kernels(runner, lib, machine)
     weights_on_huge_pages(runner.model)  # laid out for good now: no more copies to come
+    runner.kv_zeros = huge_zeros  # the KV cache on 2 MB pages too
 
 
 def use_kernels(runner: ModelRunner, lib: ctypes.CDLL, machine: plan.Machine) -> None:

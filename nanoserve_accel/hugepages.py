@@ -11,8 +11,11 @@ fails and the pages stay as they were. Figures: docs/benchmarks.md ("Huge pages"
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -80,3 +83,21 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     log.debug("huge pages: %d MB made huge for %d MB of weights", done >> 20,
               sum(s for _, s in ranges) >> 20)
     return done
+
+
+def huge_zeros(*size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(*size) on memory of its own asked to be backed by 2 MB pages (MADV_HUGEPAGE)
+    before anything touches it: the KV cache, a few blocks of which a decode step reads in every
+    layer. Linux hands the pages out zeroed as they are first written, so nothing is written
+    now (a collapse, as for the weights, would copy the whole pool at start-up). Elsewhere:
+    torch.zeros."""
+    nbytes = math.prod(size) * dtype.itemsize
+    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or not nbytes:
+        return torch.zeros(*size, dtype=dtype, device=device)
+    # Private: shared anonymous memory is shmem, which huge pages skip by default.
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(memory)) % HUGE_PAGE  # 2 MB aligned
+    with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KB ones, still zeroed
+        memory.madvise(mmap.MADV_HUGEPAGE, offset, len(memory) - offset)
+    flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(size)  # the tensor holds `memory`: unmapped when it is freed

@@ -148,9 +148,9 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_layers = self.model.attention_layers()
         self.sampler = Sampler(config.seed, self.device)
-        self.fast_paths = []
+        self.fast_paths, self.kv_zeros = [], torch.zeros  # how the KV cache is allocated
         for name, optimize in fast_paths() if config.enable_fast_paths else []:
-            optimize(self)  # may replace modules of self.model, and self.backend
+            optimize(self)  # may replace modules of self.model, self.backend, self.kv_zeros
             self.fast_paths.append(name)
         if config.torch_compile:
             compile_elementwise(self.model)
@@ -196,9 +196,9 @@ class ModelRunner:
         last block is a sink for padding rows (CUDA graphs): it belongs to no request."""
         num_blocks = num_blocks or self.num_kv_blocks
         layer = self.attn_layers[0]
-        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
-                                    layer.num_kv_heads, layer.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
+                                      layer.num_kv_heads, layer.head_dim,
+                                      dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
 

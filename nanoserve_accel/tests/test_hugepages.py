@@ -1,6 +1,7 @@
 """hugepages.py: which memory it asks to make huge (every weight the model reads, each once, and
 every 2 MB page that holds a byte of one), that the kernel then backs it with huge pages where it
-can, that the values stay, and that the default path asks for the model's weights."""
+can, that the values stay, and that the default path asks for the model's weights; that the KV
+cache's allocation gives zeros on memory asked to be huge."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from nanoserve import LLM
 from nanoserve_accel import hugepages
-from nanoserve_accel.hugepages import HUGE_PAGE, collapse, huge_spans, weight_ranges
+from nanoserve_accel.hugepages import HUGE_PAGE, collapse, huge_spans, huge_zeros, weight_ranges
 from tests.common.tiny_model import tiny_model_dir
 
 MB = 1 << 20
@@ -92,3 +93,28 @@ def test_the_default_path_asks_for_the_model_weights(monkeypatch):
     assert kv not in dict(ranges)  # the KV cache comes after: not asked for
     assert set(ranges) == {r for r in weight_ranges(model) if r[0] != kv}
     assert sum(size for _, size in ranges) >= llm.model_runner.weight_bytes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+def test_huge_zeros_are_zeros_on_memory_asked_to_be_huge():
+    t = huge_zeros(3, 5 * MB // 2, dtype=torch.bfloat16, device="cpu")  # 15 MB
+    assert t.shape == (3, 5 * MB // 2) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    huge_before = anon_huge_kb(t.data_ptr())  # nothing written yet: nothing resident
+    t.fill_(1.5)  # first writes: the kernel backs what it can with huge pages
+    assert bool((t == 1.5).all())
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages off: 4 KB pages, still zeroed")
+    assert anon_huge_kb(t.data_ptr()) - huge_before >= 8 * MB // 1024
+    assert huge_zeros(0, 4, dtype=torch.float32, device="cpu").shape == (0, 4)
+    assert torch.equal(huge_zeros(3, dtype=torch.float32, device="cpu"), torch.zeros(3))
+
+
+def test_the_default_path_allocates_the_kv_cache_with_huge_zeros():
+    llm = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True)
+    runner = llm.model_runner
+    assert runner.kv_zeros is huge_zeros and runner.kv_cache.data_ptr() % HUGE_PAGE == 0
+    plain = LLM(tiny_model_dir(), dtype="float32", num_kv_blocks=8, skip_tokenizer_init=True,
+                enable_fast_paths=False).model_runner
+    assert plain.kv_zeros is torch.zeros and plain.kv_cache.shape == runner.kv_cache.shape
