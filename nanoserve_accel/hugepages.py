@@ -88,9 +88,9 @@ def weights_on_huge_pages(model: nn.Module) -> int:
 def huge_zeros(*size: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros(*size) on memory of its own asked to be backed by 2 MB pages (MADV_HUGEPAGE)
     before anything touches it: the KV cache, a few blocks of which a decode step reads in every
-    layer. Linux hands the pages out zeroed as they are first written, so nothing is written
-    now (a collapse, as for the weights, would copy the whole pool at start-up). Elsewhere:
-    torch.zeros."""
+    layer. Linux hands the pages out zeroed as they are first touched (a collapse, as for the
+    weights, would copy the whole pool); one byte a 4 KB page is touched now, so that no step
+    waits on the kernel to clear a page, as torch.zeros' memset did. Elsewhere: torch.zeros."""
     nbytes = math.prod(size) * dtype.itemsize
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or not nbytes:
         return torch.zeros(*size, dtype=dtype, device=device)
@@ -100,4 +100,5 @@ def huge_zeros(*size: int, dtype: torch.dtype, device: torch.device | str) -> to
     with contextlib.suppress(OSError):  # no huge pages in this kernel: 4 KB ones, still zeroed
         memory.madvise(mmap.MADV_HUGEPAGE, offset, len(memory) - offset)
     flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
+    flat[::4096].zero_()  # resident now: huge pages where the kernel has them, else 4 KB ones
     return flat.view(dtype).view(size)  # the tensor holds `memory`: unmapped when it is freed
