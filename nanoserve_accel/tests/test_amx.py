@@ -143,9 +143,10 @@ def test_only_an_amx_cpu_with_an_amx_library_gets_the_amx_gemm(fake_cpu, kind, b
 @needs_amx
 def test_the_real_library_gets_the_amx_gemm_on_an_amx_cpu(fake_cpu):
     fake_cpu("amx")
-    model = nn.Sequential(bf16_linear(64, 32))
-    replace_linears(model, LIB)
+    linear = bf16_linear(64, 32)
+    model = nn.Sequential(linear)
+    replace_linears(model, LIB)  # the module keeps only its packed tiles, not linear.weight
     assert type(model[0]) is AmxLinear and model[0].max_rows == AMX_MAX_ROWS
     x = torch.randn(3, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        torch.testing.assert_close(model(x), bf16_reference(x, model[0]), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(model(x), bf16_reference(x, linear), atol=1e-2, rtol=1e-2)
