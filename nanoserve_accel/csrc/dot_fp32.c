@@ -134,15 +134,13 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
  * the weights twice. */
 enum { FB_COLS = 64, FB_ROWS = 7, FB_CHUNK = 256 };
 /* Bytes ahead in the column block's stream: 8 k where the weights' chunk is read again for more
- * blocks of rows (it should stay in L2); 32 k, non-temporal, where the rows are one block and W is
- * read once: lines fetched the usual way pass through L2 into the L3 (a victim cache on Zen 4),
- * evicting what the step reads again (each layer's KV, the activations, the Python between the
- * C calls). SmolLM2-135M one row 0.97-0.98 of the step with 2048 as T0 in 3 runs, Llama-3.2-1B
- * level. On 4 KB pages ahead of none (a C harness: 0.922 / 0.877 against 0.962 / 0.926). A lone
- * row (the engine's step, kernel_ab.py, Zen 4 VM): 16 k ahead into L2 0.975 of that (32 k 0.984,
- * 16 k non-temporal 0.987; Llama-3.2-1B shape, with the one-row LM head above, 0.980); at 2 and 4
- * rows level with it. */
-enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 8192, FB_ONE_ROW = 4096 };
+ * blocks of rows (it should stay in L2); 16 k into L2 where the rows are one block and W is read
+ * once. A lone row (the engine's step, kernel_ab.py, Zen 4 VM): 0.975 of 32 k non-temporal, at 2
+ * and 4 rows level with it. Non-temporal is the one hint not to give here: on an AMX Xeon VM
+ * (2 cores, Intel's L1-only NTA fill) 2-6 rows took 2.3x this (kernel_ab.py, SmolLM2-135M
+ * fp32: 2 rows 46.7 -> 20.2 ms, 4 rows 52.9 -> 23.2, 6 rows 49.0 -> 23.4). On 4 KB pages ahead
+ * of none (a C harness, Zen 4: 0.922 / 0.877 against 0.962 / 0.926). */
+enum { FB_PREFETCH = 2048, FB_PREFETCH_ONCE = 4096 };
 
 /* Rows m0 .. m0 + ROWS - 1 of the column block at wb (its column n0, 4 vectors of 16), k in
  * [k0, k1); `first`: the sums start at 0, else at y; `last`: add the bias. Always inlined: ROWS
@@ -163,8 +161,7 @@ static inline __attribute__((always_inline)) void blocked_rows(
     const float* wk = wb + (int64_t)k * FB_COLS;
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
-      if (once && ROWS == 1) __builtin_prefetch((const char*)(wk + 16 * c) + FB_ONE_ROW, 0, 2);
-      else if (once) __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH_ONCE, 0, 0);
+      if (once) __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH_ONCE, 0, 2);
       else __builtin_prefetch((const char*)(wk + 16 * c) + FB_PREFETCH, 0, 3);
     }
 #pragma GCC unroll 4
