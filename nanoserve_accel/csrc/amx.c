@@ -94,6 +94,49 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
   _mm256_storeu_si256((__m256i*)y, bf16x16(_mm512_add_ps(_mm512_loadu_ps(sums), bias)));
 }
 
+#ifdef __AVX512BF16__
+/* A lone row (a one-request decode step) is not worth the tile unit: the tiles then multiply one
+ * row by each 1 KB of W, and the weight stream went below memory speed. AVX512-BF16 dot products
+ * on the same packed W read it faster: a tile row is one k pair of 16 columns (64 bytes), so a
+ * column group is one contiguous stream, each pair multiplied by the row's pair (broadcast) and
+ * summed into 16 lanes. Two adjacent groups a task (two streams, each asking for the line 4 KB
+ * ahead into L2), each in two sums (even and odd pairs): four chains of dpbf16 in flight.
+ * kernel_ab.py on the AMX Xeon VM (2 cores), SmolLM2-135M bf16 one row, the step against the
+ * tiles': one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165),
+ * two groups 0.941-0.957, four 0.973; at 2 rows level with the tiles (0.993), at 4 worse (1.08).
+ * Its sums are in another order than the tile unit's, so a lone row's bits differ from the same
+ * row's among others (which the tiles compute alike whatever rows are beside it). */
+enum { ROW_AHEAD = 4096 };
+
+static inline __attribute__((always_inline)) void row_dots(
+    const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t* y, int K, int n0,
+    const int G) {
+  __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()},
+                      {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+  const int pairs = K / 2; /* even: K % 32 == 0 */
+  const uint32_t* xp = (const uint32_t*)x;
+  for (int i = 0; i < pairs; i += 2)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        const uint16_t* wk = wg + ((int64_t)g * pairs + i + c) * 32;
+        __builtin_prefetch((const char*)wk + ROW_AHEAD, 0, 2);
+        acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)_mm512_set1_epi32((int)xp[i + c]),
+                                     (__m512bh)_mm512_loadu_si512(wk));
+      }
+#pragma GCC unroll 2
+  for (int g = 0; g < G; ++g) {
+    __m512 v = _mm512_add_ps(acc[g][0], acc[g][1]);
+    if (bias)
+      v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0 + 16 * g))),
+              16)));
+    _mm256_storeu_si256((__m256i*)(y + n0 + 16 * g), bf16x16(v));
+  }
+}
+#endif
+
 /* Passes of up to 64 rows (one pass at decode batch sizes: W read once per call); in each, one
  * task per column group, "guided" handing out runs of adjacent groups, as linear_panels() does. Each
  * thread configures its own tiles and releases them at the end (else the kernel saves 8 KB of
@@ -101,6 +144,17 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K) {
   if (M <= 0) return;
   const int groups = N / 16, chunks = K / 32;
+#ifdef __AVX512BF16__
+  if (M == 1) {
+#pragma omp parallel for schedule(guided)
+    for (int g = 0; g < groups; g += 2) {
+      const uint16_t* wg = (const uint16_t*)w + (int64_t)g * K * 16;
+      if (g + 1 < groups) row_dots(x, wg, bias, y, K, g * 16, 2);
+      else row_dots(x, wg, bias, y, K, g * 16, 1);
+    }
+    return;
+  }
+#endif
   const int64_t x_stride = (int64_t)K * 2;
 #pragma omp parallel
   {
