@@ -104,8 +104,8 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
  * kernel_ab.py on the AMX Xeon VM (2 cores), SmolLM2-135M bf16 one row, the step against the
  * tiles': one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165),
  * two groups 0.941-0.957, four 0.973; at 2 rows level with the tiles (0.993), at 4 worse (1.08).
- * Its sums are in another order than the tile unit's, so a lone row's bits differ from the same
- * row's among others (which the tiles compute alike whatever rows are beside it). */
+ * Its float sums are in another order than the tile unit's: a lone row's bf16 output can differ
+ * in its last bit from the same row's among others (the tiles' rows alike whatever is beside). */
 enum { ROW_AHEAD = 4096 };
 
 static inline __attribute__((always_inline)) void row_dots(
