@@ -83,7 +83,8 @@ class CLinear(nn.Module):
         return weight.contiguous()  # the plain weight (the parameter's memory, unless strided)
 
     def layout_ptr(self) -> int:
-        return self.layout.data_ptr()
+        layout = self.layout  # oneDNN's opaque tensor, or a plain one
+        return torch.ops.mkldnn.data_ptr(layout) if layout.is_mkldnn else layout.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_rows is not None and x.numel() > self.max_rows * self.k:
@@ -128,10 +129,6 @@ class BlockedCLinear(CLinear):
                 return reordered
         return super().lay_out(weight, lib)
 
-    def layout_ptr(self) -> int:
-        layout = self.layout
-        return torch.ops.mkldnn.data_ptr(layout) if layout.is_mkldnn else layout.data_ptr()
-
 
 class DotFp32Linear(BlockedCLinear):
     """fp32: csrc/dot_fp32.c's linear_dot_fp32, or linear_fp32_blocked on oneDNN's weight."""
@@ -154,43 +151,62 @@ def is_blocked_64(blocked: torch.Tensor, weight: torch.Tensor) -> bool:
     first, the last and some between)."""
     n, k = weight.shape
     pack = {torch.float32: 1, torch.bfloat16: 2}.get(weight.dtype)
-    if (pack is None or n % 64 or k % pack
-            or torch.ops.mkldnn._nbytes(blocked) != n * k * weight.element_size()):
+    if pack is None or n % 64 or k % pack:
         return False
-    memory = (ctypes.c_char * (n * k * weight.element_size())).from_address(
-        torch.ops.mkldnn.data_ptr(blocked))
-    view = torch.frombuffer(memory, dtype=weight.dtype).view(n // 64, k // pack, 64, pack)
-    plain = weight.view(n // 64, 64, k // pack, pack)
-    picks = sorted({0, n // 64 - 1, *range(0, n // 64, max(1, n // 64 // 8))})
-    return all(torch.equal(view[b].transpose(0, 1), plain[b]) for b in picks)
+    return same_blocks(blocked, weight, 64, lambda w: w.view(64, k // pack, pack).transpose(0, 1))
+
+
+def same_blocks(blocked: torch.Tensor, weight: torch.Tensor, cols: int, lay_out) -> bool:
+    """Whether oneDNN's `blocked` [N / cols] blocks of no padding are `lay_out`(each `cols` rows
+    of `weight`), on the first, the last and some blocks between."""
+    n, k = weight.shape
+    nbytes = n * k * weight.element_size()
+    if torch.ops.mkldnn._nbytes(blocked) != nbytes:
+        return False
+    memory = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(blocked))
+    view = torch.frombuffer(memory, dtype=weight.dtype).view(n // cols, -1)
+    picks = sorted({0, n // cols - 1, *range(0, n // cols, max(1, n // cols // 8))})
+    return all(torch.equal(view[b], lay_out(weight[b * cols:(b + 1) * cols]).reshape(-1))
+               for b in picks)
 
 
 class AmxLinear(CLinear):
+    """csrc/amx.c's tile GEMM on oneDNN's reordered weight, which oneDNN reads beyond max_rows
+    (from 64 rows it is the faster); where oneDNN lays a shape out otherwise, or does not run, on
+    the same layout packed here, the tile GEMM then taking every row count in passes."""
+
     kernel, function = "amx", "linear_amx"
 
     def lay_out(self, weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
         n, k = weight.shape
-        if weight.dtype != torch.bfloat16 or n % 16 or k % 32:
-            raise ValueError(f"the AMX GEMM takes bf16 weights with N % 16 == 0 and K % 32 == 0, "
+        if weight.dtype != torch.bfloat16 or n % 32 or k % 32:
+            raise ValueError(f"the AMX GEMM takes bf16 weights with N % 32 == 0 and K % 32 == 0, "
                              f"not {weight.dtype} [{n}, {k}]")
+        if self.max_rows is not None and plan.onednn_runs(torch.bfloat16):
+            reordered = reorder(weight)
+            if same_blocks(reordered, weight, 32, lambda w: pack_tiles(w.contiguous())):
+                return reordered
         return pack_tiles(weight)
 
     def library(self, x: torch.Tensor) -> torch.Tensor:
-        """No library reads the tiles' order: the tile GEMM itself, one pass per 64 rows."""
+        """oneDNN on its own weight, or the tile GEMM in passes of 64 rows on ours."""
+        if self.layout.is_mkldnn:
+            return onednn_gemm(x, self.layout, self.bias)
         return kernels.c_gemm(x, self, self.dtype, self.w_ptr)
 
 
 def amx_fits(linear: nn.Linear) -> bool:
-    """The AMX kernel's tiles: 16 output columns by 32 k, so N % 16 == 0 and K % 32 == 0."""
-    return (linear.weight.dtype == torch.bfloat16 and linear.out_features % 16 == 0
+    """The AMX kernel's chunks: 32 output columns by 32 k, so N % 32 == 0 and K % 32 == 0."""
+    return (linear.weight.dtype == torch.bfloat16 and linear.out_features % 32 == 0
             and linear.in_features % 32 == 0)
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N / 16][K / 32][16 k-pairs][16 columns][2]: for each 16 columns, one 1 KB tile
-    per 32 k in the VNNI order the tile unit multiplies, the column group's tiles front to back."""
+    """[N, K] -> [N / 32][K / 32][16 k-pairs][32 columns][2], oneDNN's bf16 layout on an AMX CPU:
+    for each 32 columns, one 2 KB chunk per 32 k (two tiles side by side, in the VNNI order the
+    tile unit multiplies), the block's chunks front to back."""
     n, k = weight.shape
-    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return weight.view(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 MODULES = {"panels": PanelsLinear, "dot_fp32": DotFp32Linear, "dpbf16": Dpbf16Linear,

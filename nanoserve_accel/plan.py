@@ -27,7 +27,8 @@ FP32_BLOCKED_MAX_ROWS = 47  # the same on oneDNN's weight (N % 64 == 0): faster 
 # every row count, level with oneDNN at 24-48 rows of a 1B shape, oneDNN ahead from 64.
 PANELS_MAX_ROWS = 63  # fp32 packed panels, where AVX-512 oneDNN measured faster from 64 rows
 DPBF16_MAX_ROWS = 7  # AVX512-BF16 dot products: clearly faster at 1-4 rows, level at 6-7
-AMX_MAX_ROWS = 64  # AMX tiles: one pass over the weights serves up to 64 rows
+AMX_MAX_ROWS = 64  # AMX tiles: one pass over the weights serves up to 64 rows; oneDNN beyond
+# (one thread, SmolLM2-135M's linears at 136 rows: 0.57-0.93 of the tiles' time in passes)
 # csrc/layer.c's enum gemm; "..._blocked": the kernel on oneDNN's reordered weight (linear.py)
 GEMM_KINDS = {"panels": 0, "dot_fp32": 1, "dpbf16": 2, "amx": 3, "dpbf16_blocked": 4,
               "dot_fp32_blocked": 5}
@@ -87,9 +88,9 @@ def gemm(m: Machine, dtype: torch.dtype, n: int, k: int, tied: bool = False) -> 
             return Gemm("dot_fp32")  # Llama-3.2-1B's shape, for ~1% of a one-row step
         return handing_over("dot_fp32", DOT_FP32_MAX_ROWS if n % 64 else FP32_BLOCKED_MAX_ROWS)
     if dtype == torch.bfloat16 and native_bf16:
-        if "amx" in m.kernels and "amx_bf16" in m.flags and n % 16 == 0 and k % 32 == 0:
-            # Beyond: the tile GEMM's own passes, on the one packed weight (linear.py).
-            return Gemm("amx", AMX_MAX_ROWS, "amx passes")
+        if "amx" in m.kernels and "amx_bf16" in m.flags and n % 32 == 0 and k % 32 == 0:
+            # On oneDNN's weight, which oneDNN reads beyond; else the tiles' passes (linear.py).
+            return Gemm("amx", AMX_MAX_ROWS, "onednn" if onednn else "amx passes")
         if "dpbf16" in m.kernels and "avx512_bf16" in m.flags:  # tied too: the bf16 copy is
             return handing_over("dpbf16", DPBF16_MAX_ROWS)  # half, dpbf16 on the table ~30% slower
         if onednn:

@@ -1,14 +1,19 @@
 #include "kernels.h"
 
 /* ---- §1 on CPUs with AMX: the bf16 linears' GEMM at decode batch sizes ----
- * y [M, N] = x [M, K] W^T (+ bias), all bf16, on AMX tiles. W is packed once at load (by
- * linear.py's AmxLinear) into the tiles' VNNI layout, [N / 16][K / 32][16 k-pairs][16 columns][2]:
- * one 1 KB tile per 16 columns and 32 k, the tiles of a column group front to back, so W streams
- * contiguously. Each tile is loaded once per call and serves up to 64 rows (4 accumulator tiles
- * of 16 rows), x read from the cache for each. oneDNN's small-batch bf16 path streamed the same
- * weights well below memory speed, with a large fixed cost per call. Needs N % 16 == 0 and
- * K % 32 == 0 (the caller checks). Built only where the compiler targets AMX-BF16
- * (-march=native); elsewhere only has_amx is here, and answers 0. */
+ * y [M, N] = x [M, K] W^T (+ bias), all bf16, on AMX tiles. W is held in the layout oneDNN
+ * gives a bf16 weight on an AMX CPU (linear.py's AmxLinear keeps oneDNN's reordered weight, or
+ * packs its own the same way where oneDNN lays a shape out otherwise): [N / 32][K / 32][16
+ * k-pairs][32 columns][2], a 2 KB chunk per 32 columns and 32 k, a block's chunks front to back,
+ * so W streams contiguously. A chunk holds two W tiles side by side (16 columns each, a row of
+ * 64 bytes every 128). Each tile is loaded once per call and serves up to 64 rows (4 accumulator
+ * tiles of 16 rows), x read from the cache for each; more rows go to oneDNN on the same weight.
+ * oneDNN's small-batch bf16 path streamed the same weights well below memory speed, with a large
+ * fixed cost per call; from 64 rows it is the faster (AMX Xeon VM, one thread, SmolLM2-135M's
+ * linears at 136 rows: 0.57-0.93 of this kernel's time in passes of 64; a served prefill step
+ * of 128 tokens 90.7 -> 78.4 ms). Needs N % 32 == 0 and K % 32 == 0 (the caller checks). Built
+ * only where the compiler targets AMX-BF16 (-march=native); elsewhere only has_amx is here, and
+ * answers 0. */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -25,11 +30,11 @@ int amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
  * W tile, 5-6 x for the full blocks, 7 x for the last block. A pass is up to 64 rows; the last
  * block's tiles are configured with its row count, so x is never read past its last row and no
  * padded copy is needed. */
-enum { PASS_ROWS = 64, TILE_BYTES = 1024 };
-/* Each tile also asks for the one this many bytes ahead in the packed weight (its group's next
- * tiles, or the next group's, which the same thread takes next under "guided" but for its last
- * one). On the AMX VM this measured about level with the hardware prefetcher alone (and with
- * other distances and hints): it is a guard against the tile loads waiting on memory. */
+enum { PASS_ROWS = 64, CHUNK_BYTES = 2048, ROW_BYTES = 128 };
+/* A block's first tile also asks for the chunk this many bytes ahead in the packed weight (its
+ * block's next chunks, or the next block's, which the same thread takes next under "guided" but
+ * for its last one). On the AMX VM this measured about level with the hardware prefetcher alone
+ * (and with other distances and hints): it is a guard against the tile loads waiting on memory. */
 enum { PREFETCH_BYTES = 8192 };
 
 typedef struct {
@@ -49,24 +54,27 @@ static tile_config config_for(int last_rows) {
   return cfg;
 }
 
-/* One column group's sums for one pass: FULL blocks of 16 rows (0..3) and a last block, over
- * all of K in one order (chunk by chunk, each chunk's 32 products summed by the tile unit), the
- * same for a row whatever rows are beside it. Always inlined: FULL is then a constant. */
+/* One column group's sums for one pass (wg: its first tile row, every ROW_BYTES in a chunk):
+ * FULL blocks of 16 rows (0..3) and a last block, over all of K in one order (chunk by chunk,
+ * each chunk's 32 products summed by the tile unit), the same for a row whatever rows are beside
+ * it. `ahead`: ask for the chunk PREFETCH_BYTES on (the block's first group). Always inlined:
+ * FULL is then a constant. */
 static inline __attribute__((always_inline)) void group_sums(
     const uint8_t* x, const uint8_t* wg, int64_t x_stride, int chunks, float* sums,
-    const int FULL) {
+    const int FULL, int ahead) {
   if (FULL > 0) _tile_zero(0);
   if (FULL > 1) _tile_zero(1);
   if (FULL > 2) _tile_zero(2);
   _tile_zero(3);
   const uint8_t* last = x + FULL * 16 * x_stride;
   for (int c = 0; c < chunks; ++c) {
-    const uint8_t* b = wg + (int64_t)c * TILE_BYTES;
-    /* As an integer: the last tiles' targets lie past W (a prefetch never faults). */
-    const uintptr_t ahead = (uintptr_t)b + PREFETCH_BYTES;
-    for (int line = 0; line < TILE_BYTES; line += 64)
-      _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
-    _tile_loadd(4, b, 64);
+    const uint8_t* b = wg + (int64_t)c * CHUNK_BYTES;
+    /* As an integer: the last chunks' targets lie past W (a prefetch never faults). */
+    const uintptr_t next = (uintptr_t)b + PREFETCH_BYTES;
+    if (ahead)
+      for (int line = 0; line < CHUNK_BYTES; line += 64)
+        _mm_prefetch((const char*)(next + line), _MM_HINT_T0);
+    _tile_loadd(4, b, ROW_BYTES);
     const uint8_t* a = x + (int64_t)c * 64;
     if (FULL > 0) {
       _tile_loadd(5, a, x_stride);
@@ -97,36 +105,35 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
 #ifdef __AVX512BF16__
 /* A lone row (a one-request decode step) is not worth the tile unit: the tiles then multiply one
  * row by each 1 KB of W, and the weight stream went below memory speed. AVX512-BF16 dot products
- * on the same packed W read it faster: a tile row is one k pair of 16 columns (64 bytes), so a
- * column group is one contiguous stream, each pair multiplied by the row's pair (broadcast) and
- * summed into 16 lanes. Two adjacent groups a task (two streams, each asking for the line 4 KB
- * ahead into L2), each in two sums (even and odd pairs): four chains of dpbf16 in flight.
- * kernel_ab.py on the AMX Xeon VM (2 cores), SmolLM2-135M bf16 one row, the step against the
- * tiles': one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165),
+ * on the same W read it faster: a chunk's row is one k pair of 32 columns (128 bytes), so a
+ * block is one contiguous stream, each pair multiplied by the row's pair (broadcast) and summed
+ * into 16 lanes a group, each group in two sums (even and odd pairs): four chains of dpbf16 in
+ * flight, each line asked for 4 KB ahead into L2. kernel_ab.py on the AMX Xeon VM (2 cores),
+ * SmolLM2-135M bf16 one row, the step against the tiles' (then on 16-column groups, one stream
+ * each): one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165),
  * two groups 0.941-0.957, four 0.973; at 2 rows level with the tiles (0.993), at 4 worse (1.08).
  * Its float sums are in another order than the tile unit's: a lone row's bf16 output can differ
  * in its last bit from the same row's among others (the tiles' rows alike whatever is beside). */
 enum { ROW_AHEAD = 4096 };
 
-static inline __attribute__((always_inline)) void row_dots(
-    const uint16_t* x, const uint16_t* wg, const uint16_t* bias, uint16_t* y, int K, int n0,
-    const int G) {
+static inline void row_dots(const uint16_t* x, const uint16_t* wb, const uint16_t* bias,
+                            uint16_t* y, int K, int n0) {
   __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()},
                       {_mm512_setzero_ps(), _mm512_setzero_ps()}};
   const int pairs = K / 2; /* even: K % 32 == 0 */
   const uint32_t* xp = (const uint32_t*)x;
   for (int i = 0; i < pairs; i += 2)
 #pragma GCC unroll 2
-    for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2; ++c)
 #pragma GCC unroll 2
-      for (int c = 0; c < 2; ++c) {
-        const uint16_t* wk = wg + ((int64_t)g * pairs + i + c) * 32;
+      for (int g = 0; g < 2; ++g) {
+        const uint16_t* wk = wb + (int64_t)(i + c) * 64 + g * 32;
         __builtin_prefetch((const char*)wk + ROW_AHEAD, 0, 2);
         acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)_mm512_set1_epi32((int)xp[i + c]),
                                      (__m512bh)_mm512_loadu_si512(wk));
       }
 #pragma GCC unroll 2
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < 2; ++g) {
     __m512 v = _mm512_add_ps(acc[g][0], acc[g][1]);
     if (bias)
       v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -138,20 +145,18 @@ static inline __attribute__((always_inline)) void row_dots(
 #endif
 
 /* Passes of up to 64 rows (one pass at decode batch sizes: W read once per call); in each, one
- * task per column group, "guided" handing out runs of adjacent groups, as linear_panels() does. Each
- * thread configures its own tiles and releases them at the end (else the kernel saves 8 KB of
- * tile state at every context switch). */
+ * task per block of 32 columns (its two groups in turn, the second finding the chunks in the
+ * cache), "guided" handing out runs of adjacent blocks, as linear_panels() does. Each thread
+ * configures its own tiles and releases them at the end (else the kernel saves 8 KB of tile
+ * state at every context switch). */
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K) {
   if (M <= 0) return;
-  const int groups = N / 16, chunks = K / 32;
+  const int blocks = N / 32, chunks = K / 32;
 #ifdef __AVX512BF16__
   if (M == 1) {
 #pragma omp parallel for schedule(guided)
-    for (int g = 0; g < groups; g += 2) {
-      const uint16_t* wg = (const uint16_t*)w + (int64_t)g * K * 16;
-      if (g + 1 < groups) row_dots(x, wg, bias, y, K, g * 16, 2);
-      else row_dots(x, wg, bias, y, K, g * 16, 1);
-    }
+    for (int b = 0; b < blocks; ++b)
+      row_dots(x, (const uint16_t*)w + (int64_t)b * K * 32, bias, y, K, b * 32);
     return;
   }
 #endif
@@ -166,20 +171,22 @@ void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, 
       _tile_loadconfig(&cfg);
       const uint8_t* xp = (const uint8_t*)x + m0 * x_stride;
 #pragma omp for schedule(guided) nowait
-      for (int g = 0; g < groups; ++g) {
-        const uint8_t* wg = (const uint8_t*)w + (int64_t)g * chunks * TILE_BYTES;
-        /* One branch per block count: FULL a constant in each inlined copy. */
-        if (full == 0) group_sums(xp, wg, x_stride, chunks, sums, 0);
-        else if (full == 1) group_sums(xp, wg, x_stride, chunks, sums, 1);
-        else if (full == 2) group_sums(xp, wg, x_stride, chunks, sums, 2);
-        else group_sums(xp, wg, x_stride, chunks, sums, 3);
-        __m512 b = _mm512_setzero_ps();
-        if (bias) /* bf16 widened: its bits in a float's top half */
-          b = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias + g)), 16));
-        for (int r = 0; r < rows; ++r)
-          store_row((uint16_t*)y + (int64_t)(m0 + r) * N + g * 16, sums + r * 16, b);
-      }
+      for (int b = 0; b < blocks; ++b)
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* wg = (const uint8_t*)w + (int64_t)b * chunks * CHUNK_BYTES + 64 * half;
+          const int g = 2 * b + half, ahead = half == 0;
+          /* One branch per block count: FULL a constant in each inlined copy. */
+          if (full == 0) group_sums(xp, wg, x_stride, chunks, sums, 0, ahead);
+          else if (full == 1) group_sums(xp, wg, x_stride, chunks, sums, 1, ahead);
+          else if (full == 2) group_sums(xp, wg, x_stride, chunks, sums, 2, ahead);
+          else group_sums(xp, wg, x_stride, chunks, sums, 3, ahead);
+          __m512 bv = _mm512_setzero_ps();
+          if (bias) /* bf16 widened: its bits in a float's top half */
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias + g)), 16));
+          for (int r = 0; r < rows; ++r)
+            store_row((uint16_t*)y + (int64_t)(m0 + r) * N + g * 16, sums + r * 16, bv);
+        }
     }
     _tile_release();
   }

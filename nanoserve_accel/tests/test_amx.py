@@ -1,7 +1,7 @@
 """The AMX GEMM (csrc/amx.c, where the library was built with it and Linux grants the tiles)
-computes what nn.Linear computes in bf16, at every row count of one pass and past it, and a CPU
-whose probe shows amx_bf16 gets it for the shapes its tiles take; other CPUs, other libraries and
-other shapes keep their GEMMs."""
+computes what nn.Linear computes in bf16, at every row count of one pass and past it (oneDNN on
+the same weight, or the tiles' passes), and a CPU whose probe shows amx_bf16 gets it for the
+shapes its tiles take; other CPUs, other libraries and other shapes keep their GEMMs."""
 
 import pytest
 import torch
@@ -36,25 +36,43 @@ def bf16_linear(k: int, n: int, bias: bool = True) -> nn.Linear:
 
 
 def test_packed_tiles_hold_each_weight_where_the_tile_unit_reads_it():
-    n, k = 48, 96
+    n, k = 96, 96
     w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(torch.bfloat16)
-    tiles = pack_tiles(w)  # [group][chunk][k-pair][column][2]
-    assert tiles.shape == (n // 16, k // 32, 16, 16, 2) and tiles.is_contiguous()
-    for g, c, p, j, e in [(0, 0, 0, 0, 1), (1, 2, 5, 3, 0), (2, 1, 15, 15, 1)]:
-        assert tiles[g, c, p, j, e] == w[16 * g + j, 32 * c + 2 * p + e]
+    tiles = pack_tiles(w)  # [block][chunk][k-pair][column][2]
+    assert tiles.shape == (n // 32, k // 32, 16, 32, 2) and tiles.is_contiguous()
+    for b, c, p, j, e in [(0, 0, 0, 0, 1), (1, 2, 5, 3, 0), (2, 1, 15, 31, 1), (1, 0, 7, 20, 0)]:
+        assert tiles[b, c, p, j, e] == w[32 * b + j, 32 * c + 2 * p + e]
 
 
-@pytest.mark.parametrize("shape", [(64, 20), (40, 32)])  # N % 16, K % 32
+@needs_amx
+@pytest.mark.skipif(not onednn_runs(torch.bfloat16), reason="oneDNN does not run bf16 here")
+@pytest.mark.parametrize("n, k", [(96, 64), (576, 1536), (3072, 576)])
+def test_the_module_keeps_onednns_weight_where_it_is_the_tiles_layout(n, k):
+    """On an AMX CPU oneDNN lays these shapes out as pack_tiles does: the module keeps that one
+    copy, and oneDNN reads it beyond max_rows."""
+    torch.manual_seed(n)
+    linear = bf16_linear(k, n)
+    module = AmxLinear(linear, LIB, AMX_MAX_ROWS)
+    assert module.layout.is_mkldnn and module.w_ptr == torch.ops.mkldnn.data_ptr(module.layout)
+    x = torch.randn(AMX_MAX_ROWS + 9, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (1, 3, AMX_MAX_ROWS, AMX_MAX_ROWS + 9):
+            torch.testing.assert_close(module(x[:rows]), bf16_reference(x[:rows], linear),
+                                       atol=2e-2, rtol=2e-2)
+    assert not AmxLinear(linear, LIB, None).layout.is_mkldnn  # no limit: the tiles' passes
+
+
+@pytest.mark.parametrize("shape", [(64, 20), (40, 32), (64, 48)])  # N % 32, K % 32
 def test_shapes_the_tiles_do_not_take_are_refused(shape):
     linear = bf16_linear(*shape)
     assert not amx_fits(linear) and not amx_fits(nn.Linear(64, 32))  # nor float32
-    with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
+    with pytest.raises(ValueError, match="N % 32 == 0 and K % 32 == 0"):
         AmxLinear(linear, LIB, None)
 
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 130])  # blocks of 16, passes of 64
-@pytest.mark.parametrize("k, n", [(64, 96), (576, 48)])
+@pytest.mark.parametrize("k, n", [(64, 96), (576, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_linear_matches_the_float_sum_rounded_to_bf16(rows, k, n, bias):
     torch.manual_seed(rows * k)
@@ -95,7 +113,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_amx
-def test_amx_linear_takes_larger_batches_in_passes_of_its_tiles():
+def test_amx_linear_hands_larger_batches_to_its_library():
     linear = bf16_linear(64, 32)
     module = AmxLinear(linear, LIB, AMX_MAX_ROWS)
     handed = []
