@@ -9,7 +9,8 @@ the kernel that reads it. Each `nn.Linear` becomes the module of the GEMM the pl
     (csrc/dot_fp32.c, AVX-512) or bf16 pairs (csrc/dpbf16.c, AVX512-BF16), where they stream the
     weights near memory speed and oneDNN does not. One that hands over to oneDNN reads oneDNN's
     reordered weight instead (the files' blocked GEMMs).
-  - `AmxLinear`: csrc/amx.c's tile GEMM on a weight packed into the tiles' order (AMX).
+  - `AmxLinear`: csrc/amx.c's tile GEMM on oneDNN's reordered weight, whose AMX layout is the
+    tiles' order (AMX).
 A C GEMM takes up to `max_rows` rows (the plan's); more go to a library GEMM.
 
 Memory: each linear keeps its weight once, in the layout its kernels read, and drops the plain
@@ -19,7 +20,8 @@ beyond `max_rows` go to a library GEMM on that same tensor, not to a second copy
     on the plain bf16 weight cost half as much again at 16 rows (it re-packs W every call); a
     shape oneDNN lays out otherwise keeps the plain weight, and oneDNN re-packs it;
   - panels: torch's batched GEMM on the panels as [N / 16, K, 16] matrices;
-  - amx: the tile GEMM itself, in passes of 64 rows (no library reads its tile order)."""
+  - amx: oneDNN on its reordered weight, or where oneDNN lays a shape out otherwise, the tile
+    GEMM itself on its own packing of that layout, in passes of 64 rows."""
 
 from __future__ import annotations
 
