@@ -12,6 +12,7 @@ the fake says), and the dtypes torch's oneDNN runs here (bf16 needs AVX512-BW/VL
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ class Machine:
                    frozenset(d for d in (torch.float32, torch.bfloat16) if onednn_runs(d)))
 
 
+@functools.cache  # the probe and every AmxLinear ask: a trial reorder once per dtype
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether torch's oneDNN reorders (and so runs) a `dtype` GEMM on this machine: asked by
     trying it, once."""
