@@ -62,22 +62,32 @@ def test_the_fast_path_swaps_it_in_on_a_cpu():
 
 @pytest.mark.skipif(kernels.compile_kernels() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_the_c_greedy_pick_is_torchs_max(dtype, rows):
-    """The same token as torch's max(dim=-1), the first of tied maxima; NaN rows flagged."""
+@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("vocab", [49152, 49157, 21])  # whole vectors, a partial last one, less
+def test_the_c_greedy_pick_is_torchs_max(dtype, rows, vocab):
+    """The same token as torch's max(dim=-1), the first of tied maxima (-0 and +0 tie); NaN rows
+    flagged."""
     gen = torch.Generator().manual_seed(rows)
-    logits = (torch.randn(rows, 49152, generator=gen) * 4).to(dtype)
-    logits[0, 1000] = logits[0, 7] = logits[0].max() + 1  # a tie: the first wins
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    logits[0, 19] = logits[0, 7] = logits[0].max() + 1  # a tie: the first wins
     if rows > 1:
-        logits[1, 30000] = float("nan")
+        logits[1, vocab // 2] = float("nan")
         logits[2] = float("-inf")  # all -inf: token 0, as torch
         logits[3, -1] = float("inf")
+        logits[4:8] = -logits[4:8].abs() - 1  # zeros the largest
+        logits[4, 3], logits[4, -1] = -0.0, 0.0  # -0 first: it wins, as torch
+        logits[5, -1] = -0.0
+        logits[6, 0], logits[6, 5] = 0.0, -0.0
+        logits[7, -1] = float("nan") if dtype == torch.float32 else float("-nan")
+        logits[8, -1] = logits[8].max() + 1  # in the partial last vector
     pick = functools.partial(c_largest, kernels.compile_kernels())
     top, tokens = pick(logits)
     expected_top, expected_tokens = logits.max(dim=-1)
     nan = expected_top.isnan()
     assert torch.equal(top.isnan(), nan)
     assert torch.equal(tokens[~nan], expected_tokens[~nan]) and tokens[0] == 7
+    if rows > 1:
+        assert tokens[4:7].tolist() == [3, vocab - 1, 0] and nan[7]
     assert torch.equal(top[~nan], expected_top[~nan].float())
     strided = logits.t().contiguous().t()  # not contiguous: torch's own
     assert torch.equal(pick(strided)[1][~nan], expected_tokens[~nan])
