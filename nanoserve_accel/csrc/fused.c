@@ -43,6 +43,35 @@ void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, f
   }
 }
 
+/* out = x + y, rounded as torch's add rounds it (a residual add) */
+static inline __attribute__((always_inline)) void add_row(const void* x, const void* y, void* out,
+                                                          int64_t row, int dim, const int bf16) {
+#pragma omp simd
+  for (int i = 0; i < dim; ++i)
+    store(out, row + i, load(x, row + i, bf16) + load(y, row + i, bf16), bf16);
+}
+
+void add(const void* x, const void* y, void* out, int rows, int dim, int bf16) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * dim > PARALLEL_ABOVE)
+  for (int r = 0; r < rows; ++r) {
+    if (bf16) add_row(x, y, out, (int64_t)r * dim, dim, 1);
+    else add_row(x, y, out, (int64_t)r * dim, dim, 0);
+  }
+}
+
+/* sum = x + y, then out = rms_norm(sum), a row at a time: the residual add and the norm after
+ * it in one pass over memory (vLLM's fused_add_rms_norm; the sum is still in L1 when the norm
+ * reads it). The values are add's, then rms_norm's. out may be y. */
+void add_rms_norm(const void* x, const void* y, const void* weight, void* sum, void* out,
+                  int rows, int dim, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * dim > PARALLEL_ABOVE)
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = (int64_t)r * dim;
+    if (bf16) add_row(x, y, sum, row, dim, 1), rms_norm_row(sum, weight, out, row, dim, eps, 1);
+    else add_row(x, y, sum, row, dim, 0), rms_norm_row(sum, weight, out, row, dim, eps, 0);
+  }
+}
+
 /* RoPE and SiLU-and-multiply: 16 lanes where the CPU has them (GCC's default is 8); they sum
  * nothing, so the width changes no result. */
 #pragma GCC push_options

@@ -13,6 +13,9 @@ void linear_panels(const void* x, const void* w, const void* bias, void* y, int 
             int bf16);
 void rms_norm(const void* x, const void* weight, void* out, int rows, int dim, float eps,
               int bf16);
+void add(const void* x, const void* y, void* out, int rows, int dim, int bf16);
+void add_rms_norm(const void* x, const void* y, const void* weight, void* sum, void* out,
+                  int rows, int dim, float eps, int bf16);
 void qkv_rope(const void* qkv, const void* cos, const void* sin, void* q, void* k, void* v, int n,
               int H, int Hkv, int D, int bf16);
 void silu_mul(const void* gate_up, void* out, int n, int I, int bf16);
@@ -102,14 +105,6 @@ void step_parts(int64_t* out) {
 #define MARK(part) (void)0
 #endif
 
-/* out = x + y, all [count], rounded to their dtype as torch's add rounds (out may be x). */
-static void add(const void* x, const void* y, void* out, int64_t count, int bf16) {
-  if (bf16) /* one loop per dtype, each a constant in it: vector code */
-    for (int64_t i = 0; i < count; ++i) store(out, i, load(x, i, 1) + load(y, i, 1), 1);
-  else
-    for (int64_t i = 0; i < count; ++i) store(out, i, load(x, i, 0) + load(y, i, 0), 0);
-}
-
 /* One layer for n decode rows, x [n, hidden] -> out [n, hidden]; cos, sin [n, D] (each row's
  * position); slots [n], block_table [n, W], lens [n] as AttentionMetadata's decode fields.
  * Returns -1; or a row r in [0, n) whose block_table / lens paged_decode refuses, or n + i for
@@ -138,12 +133,11 @@ int decode_layer(const struct layer* L, const void* x, void* out, const void* co
                      (int64_t)L->o.n * L->o.k * esize); /* o_proj's weights: read next */
   if (bad >= 0) { status = bad; goto done; } MARK(PART_ATTENTION);
   if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_O);
-  add(x, h, out, rows * L->hidden, L->bf16);
-  rms_norm(out, L->post_norm, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
+  add_rms_norm(x, h, L->post_norm, out, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
   if (gemm(&L->gate_up, h, gate_up, n, L->bf16)) { status = -2; goto done; } MARK(PART_GATE_UP);
   silu_mul(gate_up, act, n, L->I, L->bf16); MARK(PART_OTHER);
   if (gemm(&L->down, act, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_DOWN);
-  add(out, h, out, rows * L->hidden, L->bf16); MARK(PART_OTHER);
+  add(out, h, out, n, L->hidden, L->bf16); MARK(PART_OTHER);
 done:
   free(ws);
   return status;
