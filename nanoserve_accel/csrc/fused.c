@@ -179,17 +179,17 @@ static inline __attribute__((always_inline)) void largest_row(const void* logits
 }
 
 #ifdef __AVX512BW__
-/* largest_row on AVX-512, on the raw bits: x ^ ((x >> (width - 1)) >>> 1) (arithmetic, then
- * logical shift) orders every float that is not NaN as signed integers do (-0 just below +0),
- * so one integer max an instruction (32 bf16 or 16 float32 logits) finds the largest value,
- * without widening bf16 or tracking where each lane's maximum lies; a second pass finds the
- * first token equal to it as a float (where it is a zero: either zero). NaN: an exponent of all
- * ones and a mantissa not zero. The 8-lane loop above spends ~12 instructions on 8 logits.
- * 2-core AMX Xeon VM, SmolLM2-135M bf16, `largest` inside a decode step of 64 rows (two
- * alternated runs of 35 steps, medians): 1.06, 1.22 -> 0.57, 0.68 ms; alone on the same
- * logits, after a 256 MB read 1.04 -> 0.47-0.52 ms, repeated 0.31 -> 0.15. One row level
+/* largest_row for bf16 on AVX-512, on the raw bits: x ^ ((x >> 15) >>> 1) (arithmetic, then
+ * logical shift) orders every bf16 that is not NaN as int16 does (-0 just below +0), so one
+ * integer max an instruction over 32 logits finds the largest value, without widening them or
+ * tracking where each lane's maximum lies; a second pass finds the first token equal to it as a
+ * float (where it is a zero: either zero). NaN: an exponent of all ones, a mantissa not zero.
+ * The 8-lane loop above spends ~12 instructions on 8 bf16 logits (float32 keeps it: nothing to
+ * widen there). 2-core AMX Xeon VM, SmolLM2-135M bf16, `largest` inside a decode step of 64
+ * rows (two alternated runs of 35 steps, medians): 1.06, 1.22 -> 0.57, 0.68 ms; alone on the
+ * same logits, after a 256 MB read 1.04 -> 0.47-0.52 ms, repeated 0.31 -> 0.15. One row level
  * (0.09-0.11 ms in the step: mostly the cold torch calls around it). */
-static void largest_row_16(const uint16_t* x, int vocab, float* top, int64_t* token) {
+static void largest_row_bf16(const uint16_t* x, int vocab, float* top, int64_t* token) {
   const __m512i low = _mm512_set1_epi16((short)0xFF80), magnitude = _mm512_set1_epi16(0x7FFF),
                 inf = _mm512_set1_epi16(0x7F80); /* low: -inf */
   __m512i best = _mm512_set1_epi16((short)(0xFF80 ^ 0x7FFF)); /* -inf's order */
@@ -223,50 +223,17 @@ static void largest_row_16(const uint16_t* x, int vocab, float* top, int64_t* to
   *top = nan ? NAN : load(x, first, 1);
   *token = first;
 }
-
-static void largest_row_32(const int32_t* x, int vocab, float* top, int64_t* token) {
-  const __m512i low = _mm512_set1_epi32((int)0xFF800000), inf = _mm512_set1_epi32(0x7F800000),
-                magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  __m512i best = _mm512_set1_epi32((int)(0xFF800000 ^ 0x7FFFFFFF));
-  __mmask16 nan = 0, live = 0xFFFF;
-  for (int i = 0; i < vocab; i += 16) {
-    if (vocab - i < 16) live = (__mmask16)((1u << (vocab - i)) - 1);
-    const __m512i v = _mm512_mask_loadu_epi32(low, live, x + i);
-    nan |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, magnitude), inf);
-    const __m512i order = _mm512_xor_si512(v, _mm512_srli_epi32(_mm512_srai_epi32(v, 31), 1));
-    best = _mm512_max_epi32(best, order);
-  }
-  const int32_t key = _mm512_reduce_max_epi32(best);
-  const int32_t bits = key < 0 ? key ^ 0x7FFFFFFF : key;
-  const int zero = !(bits & 0x7FFFFFFF);
-  const __m512i want = _mm512_set1_epi32(zero ? 0 : bits);
-  int first = 0;
-  live = 0xFFFF;
-  for (int i = 0; i < vocab && !nan; i += 16) {
-    if (vocab - i < 16) live = (__mmask16)((1u << (vocab - i)) - 1);
-    __m512i v = _mm512_maskz_loadu_epi32(live, x + i);
-    if (zero) v = _mm512_and_si512(v, magnitude);
-    const __mmask16 hit = _mm512_mask_cmpeq_epi32_mask(live, v, want);
-    if (hit) {
-      first = i + __builtin_ctz(hit);
-      break;
-    }
-  }
-  *top = nan ? NAN : load(x, first, 0);
-  *token = first;
-}
 #endif
 
 void largest(const void* logits, int rows, int vocab, float* top, int64_t* tokens, int bf16) {
 #pragma omp parallel for if (rows > 1)
   for (int r = 0; r < rows; ++r) {
 #ifdef __AVX512BW__
-    const int64_t at = (int64_t)r * vocab;
-    if (bf16) largest_row_16((const uint16_t*)logits + at, vocab, top + r, tokens + r);
-    else largest_row_32((const int32_t*)logits + at, vocab, top + r, tokens + r);
+    if (bf16) largest_row_bf16((const uint16_t*)logits + (int64_t)r * vocab, vocab, top + r,
+                               tokens + r);
 #else
     if (bf16) largest_row(logits, (int64_t)r * vocab, vocab, top + r, tokens + r, 1);
-    else largest_row(logits, (int64_t)r * vocab, vocab, top + r, tokens + r, 0);
 #endif
+    else largest_row(logits, (int64_t)r * vocab, vocab, top + r, tokens + r, 0);
   }
 }
