@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from nanoserve_accel import kernels, plan
 from nanoserve_accel.fused import fuse_elementwise
 from nanoserve_accel.hugepages import huge_zeros, weights_on_huge_pages
-from nanoserve_accel.layer import fuse_layers
+from nanoserve_accel.layer import fuse_layers, warm_gemms
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
 from nanoserve_accel.sampler import c_largest, candidate_probs
@@ -45,6 +45,8 @@ def optimize(runner: ModelRunner) -> None:
         use_kernels(runner, lib, machine)
     weights_on_huge_pages(runner.model)  # laid out for good now: no more copies to come
     runner.kv_zeros = huge_zeros  # the KV cache on 2 MB pages too
+    if runner.config.usage_context == "server":  # not in the first requests' latency
+        warm_gemms(runner.model, runner.config.max_num_batched_tokens or 0)
 
 
 def use_kernels(runner: ModelRunner, lib: ctypes.CDLL, machine: plan.Machine) -> None:

@@ -60,16 +60,25 @@ class FusedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         p = self.plain
         qkv = p.qkv_proj(x)
-        n, d = qkv.shape[0], p.head_dim
+        n, d = len(cos), p.head_dim  # the step's tokens (x may have zero rows after them)
         if (p.qk_norm or qkv.dtype not in KERNEL_DTYPES or d % 2 or not qkv.is_contiguous()
                 or cos.dtype != qkv.dtype or not (cos.is_contiguous() and sin.is_contiguous())):
-            return p(x, cos, sin, meta)
+            return padded(p(x[:n], cos, sin, meta), len(x))
         q = qkv.new_empty(n, p.num_heads, d)
         k, v = (qkv.new_empty(n, p.num_kv_heads, d) for _ in "kv")
         self.lib.qkv_rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                           k.data_ptr(), v.data_ptr(), n, p.num_heads, p.num_kv_heads, d,
                           qkv.dtype == torch.bfloat16)
-        return p.o_proj(p.attn(q, k, v, meta).view(n, p.num_heads * d))
+        return p.o_proj(padded(p.attn(q, k, v, meta).view(n, p.num_heads * d), len(x)))
+
+
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, d] as the first n of `rows` rows, the others zeros (x itself if n == rows)."""
+    if x.shape[0] == rows:
+        return x
+    out = x.new_zeros(rows, *x.shape[1:])
+    out[:x.shape[0]] = x
+    return out
 
 
 def fuse_elementwise(model: nn.Module, lib: ctypes.CDLL) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.decoder import DecoderLayer, DecoderModel
-from nanoserve_accel.fused import FusedAttention, FusedRMSNorm, FusedSiluAndMul
+from nanoserve_accel.fused import FusedAttention, FusedRMSNorm, FusedSiluAndMul, padded
 from nanoserve_accel.linear import CLinear
 from nanoserve_accel.plan import GEMM_KINDS
 
@@ -199,9 +199,47 @@ class FusedDecoderModel(nn.Module):
         if not done:
             x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        n = x.shape[0]
+        if n > self.max_rows:  # oneDNN's GEMMs: a row count of a few, warmed at start-up
+            x = padded(x, padded_rows(n))
         for layer in self.fused[done:]:
             x = layer(x, cos, sin, meta)
-        return self.norm(x)
+        return self.norm(x[:n])
+
+
+ROW_STEP = 16  # the row counts beyond the C GEMMs' that oneDNN sees: multiples of this
+
+
+def padded_rows(n: int) -> int:
+    """n rounded up to a multiple of ROW_STEP. oneDNN builds a GEMM for each row count it meets
+    (~2.5-3 ms a shape on the AMX Xeon VM, ~12 ms a step's first 390-token prefill, against
+    ~62 ms of GEMMs): the steps beyond the C GEMMs are computed on these row counts, the extra
+    rows zeros, so that warm_gemms() can build them all at start-up."""
+    return -(-n // ROW_STEP) * ROW_STEP
+
+
+
+def warm_gemms(model: nn.Module, tokens: int) -> None:
+    """Build oneDNN's GEMM of each layer shape for every padded row count beyond the C GEMMs'
+    up to min(tokens, WARM_ROWS) (tokens: a step's budget), as a server starts: ~1.1 s for
+    SmolLM2-135M in bf16 on the AMX Xeon VM, where the first steps of each size would have
+    paid it. Longer steps build theirs when they first come."""
+    decoder = model.model
+    if type(decoder) is not FusedDecoderModel or decoder.max_rows >= tokens:
+        return
+    shapes: dict[tuple[int, int], CLinear] = {}
+    for layer in decoder.fused:
+        attn, mlp = layer.plain.self_attn.plain, layer.plain.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            shapes.setdefault((linear.n, linear.k), linear)
+    with torch.inference_mode():
+        for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,
+                          ROW_STEP):
+            for linear in shapes.values():
+                linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
+
+
+WARM_ROWS = 1024
 
 
 def layer_args(layer: DecoderLayer) -> tuple[LayerArgs, torch.dtype, int] | None:

@@ -16,8 +16,15 @@ from nanoserve.layers.attention import Attention, get_backend
 from nanoserve.models import decoder
 from nanoserve_accel import kernels
 from nanoserve_accel.fused import fuse_elementwise
-from nanoserve_accel.layer import FusedDecoderLayer, FusedDecoderModel, fuse_layers
-from nanoserve_accel.linear import replace_linears
+from nanoserve_accel.layer import (
+    ROW_STEP,
+    FusedDecoderLayer,
+    FusedDecoderModel,
+    fuse_layers,
+    padded_rows,
+    warm_gemms,
+)
+from nanoserve_accel.linear import CLinear, replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel
 from tests.common.helpers import make_inputs
 
@@ -227,3 +234,41 @@ def test_step_parts_build_times_each_part_and_computes_the_same(monkeypatch):
     parts_lib.step_parts(parts)
     assert not any(parts)  # handed over: from 0 again
     assert not hasattr(LIB, "step_parts")  # the engine's build has no marks
+
+
+def test_rows_padded_for_onednn_change_no_row(monkeypatch):
+    """Beyond the C GEMMs' rows, a step's rows are padded with zero rows to a multiple of
+    ROW_STEP, so that oneDNN meets only a few row counts; the step's own rows and the cache are
+    what the modules compute without the padding."""
+    assert [padded_rows(n) for n in (1, 16, 17, 390)] == [16, 16, 32, 400]
+    modules, layers = (fast_model(CONFIGS[0], torch.bfloat16, f) for f in (False, True))
+    seen = []
+    for model in (modules, layers):  # oneDNN (or the tiles' passes) beyond 2 rows
+        for linear in (m for m in model.modules() if isinstance(m, CLinear)):
+            linear.max_rows = 2
+    for linear in (m for m in layers.modules() if isinstance(m, CLinear)):
+        library = linear.library
+        linear.library = lambda x, library=library: seen.append(len(x)) or library(x)
+    layers.model.max_rows = 2
+    for step in (STEPS[0], STEPS[4]):  # 15 prefill rows; a mixed step of 5
+        got, expected = forward(layers, step), forward(modules, step)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert seen and all(rows % ROW_STEP == 0 for rows in seen)
+    for a, b in zip(*([m for m in model.modules() if isinstance(m, Attention)]
+                      for model in (modules, layers))):
+        assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
+
+
+def test_warm_gemms_builds_each_shape_for_each_padded_row_count():
+    layers = fast_model(CONFIGS[0], torch.bfloat16, True)
+    layers.model.max_rows = 20
+    built = []
+    for linear in (m for m in layers.modules() if isinstance(m, CLinear)):
+        linear.library = lambda x, linear=linear: built.append((linear.n, linear.k, len(x)))
+    warm_gemms(layers, 70)
+    shapes = {(64 + 2 * 32, 64), (64, 64), (2 * 96, 64), (64, 96)}  # qkv, o, gate|up, down
+    assert sorted(built) == sorted((n, k, rows) for n, k in shapes for rows in (32, 48, 64))
+    built.clear()
+    warm_gemms(layers, 20)  # no step goes beyond the C GEMMs
+    assert built == []
