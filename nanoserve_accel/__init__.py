@@ -7,7 +7,8 @@ It is the only place anything is swapped in, and it swaps whole modules:
     count), RMSNorm, RoPE and SiLU-and-multiply are one C call each (fused.py, csrc/fused.c),
     attention reads the paged KV cache in place (paged_attention.py, csrc/attention*.c: decode;
     prefill, bf16 on AVX512-BF16 and fp32 on AVX-512F),
-    a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c), top-k and
+    a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c; longer
+    steps run on a few row counts, which a server has oneDNN build as it starts), top-k and
     top-p filter the likeliest tokens only and each row's largest logit is found in C
     (sampler.py, csrc/fused.c), and freed buffers stay in the heap
     (kernels.keep_freed_memory, process-wide); the weights, laid out, are moved onto 2 MB
