@@ -218,7 +218,6 @@ def padded_rows(n: int) -> int:
     return -(-n // ROW_STEP) * ROW_STEP
 
 
-
 def warm_gemms(model: nn.Module, tokens: int) -> None:
     """Build oneDNN's GEMM of each layer shape for every padded row count beyond the C GEMMs'
     up to min(tokens, WARM_ROWS) (tokens: a step's budget), as a server starts: ~1.1 s for
@@ -236,7 +235,8 @@ def warm_gemms(model: nn.Module, tokens: int) -> None:
         for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,
                           ROW_STEP):
             for linear in shapes.values():
-                linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
+                if linear.max_rows is not None and rows > linear.max_rows:  # oneDNN's rows
+                    linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
 
 
 WARM_ROWS = 1024
