@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.layers.attention import AttentionMetadata
@@ -74,11 +75,7 @@ class FusedAttention(nn.Module):
 
 def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [n, d] as the first n of `rows` rows, the others zeros (x itself if n == rows)."""
-    if x.shape[0] == rows:
-        return x
-    out = x.new_zeros(rows, *x.shape[1:])
-    out[:x.shape[0]] = x
-    return out
+    return x if len(x) == rows else F.pad(x, (0, 0, 0, rows - len(x)))
 
 
 def fuse_elementwise(model: nn.Module, lib: ctypes.CDLL) -> None:
