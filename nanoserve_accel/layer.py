@@ -220,9 +220,11 @@ def padded_rows(n: int) -> int:
 
 def warm_gemms(model: nn.Module, tokens: int) -> None:
     """Build oneDNN's GEMM of each layer shape for every padded row count beyond the C GEMMs'
-    up to min(tokens, WARM_ROWS) (tokens: a step's budget), as a server starts: ~1.1 s for
-    SmolLM2-135M in bf16 on the AMX Xeon VM, where the first steps of each size would have
-    paid it. Longer steps build theirs when they first come."""
+    up to min(tokens, WARM_ROWS) (tokens: a step's budget), as a server starts, where the first
+    steps of each size would have paid it. oneDNN keys what it builds by the calling thread's
+    OpenMP team too, so each is built for the whole team and for a team of one, what a server
+    steps with beside a busy neighbour (entrypoints/cpu_share.py; other sizes build theirs when
+    they first come): ~1.1 s each for SmolLM2-135M in bf16 on the AMX Xeon VM."""
     decoder = model.model
     if type(decoder) is not FusedDecoderModel or decoder.max_rows >= tokens:
         return
@@ -231,12 +233,18 @@ def warm_gemms(model: nn.Module, tokens: int) -> None:
         attn, mlp = layer.plain.self_attn.plain, layer.plain.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             shapes.setdefault((linear.n, linear.k), linear)
-    with torch.inference_mode():
-        for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,
-                          ROW_STEP):
-            for linear in shapes.values():
-                if linear.max_rows is not None and rows > linear.max_rows:  # oneDNN's rows
-                    linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
+    team = torch.get_num_threads()
+    try:
+        for threads in sorted({team, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,
+                                  ROW_STEP):
+                    for linear in shapes.values():
+                        if linear.max_rows is not None and rows > linear.max_rows:  # oneDNN's
+                            linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
+    finally:
+        torch.set_num_threads(team)
 
 
 WARM_ROWS = 1024

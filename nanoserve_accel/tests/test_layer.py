@@ -260,16 +260,26 @@ def test_rows_padded_for_onednn_change_no_row(monkeypatch):
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
 
 
-def test_warm_gemms_builds_each_shape_for_each_padded_row_count():
+def test_warm_gemms_builds_each_shape_for_each_padded_row_count_and_team():
     layers = fast_model(CONFIGS[0], torch.bfloat16, True)
     layers.model.max_rows = 20
     built = []
     for linear in (m for m in layers.modules() if isinstance(m, CLinear)):
         linear.max_rows = 20  # a C GEMM up to 20 rows, the library beyond
-        linear.library = lambda x, linear=linear: built.append((linear.n, linear.k, len(x)))
-    warm_gemms(layers, 70)
+        linear.library = lambda x, linear=linear: built.append(
+            (linear.n, linear.k, len(x), torch.get_num_threads()))
     shapes = {(64 + 2 * 32, 64), (64, 64), (2 * 96, 64), (64, 96)}  # qkv, o, gate|up, down
-    assert sorted(built) == sorted((n, k, rows) for n, k in shapes for rows in (32, 48, 64))
-    built.clear()
-    warm_gemms(layers, 20)  # no step goes beyond the C GEMMs
-    assert built == []
+    team = torch.get_num_threads()
+    try:
+        for threads in (2, 1):  # oneDNN builds per team size: the whole team's and one's
+            torch.set_num_threads(threads)
+            built.clear()
+            warm_gemms(layers, 70)
+            assert sorted(built) == sorted((n, k, rows, t) for n, k in shapes
+                                           for rows in (32, 48, 64) for t in {threads, 1})
+            assert torch.get_num_threads() == threads  # the team is left as it was
+            built.clear()
+            warm_gemms(layers, 20)  # no step goes beyond the C GEMMs
+            assert built == []
+    finally:
+        torch.set_num_threads(team)
