@@ -222,9 +222,10 @@ def warm_gemms(model: nn.Module, tokens: int) -> None:
     """Build oneDNN's GEMM of each layer shape for every padded row count beyond the C GEMMs'
     up to min(tokens, WARM_ROWS) (tokens: a step's budget), as a server starts, where the first
     steps of each size would have paid it. oneDNN keys what it builds by the calling thread's
-    OpenMP team too, so each is built for the whole team and for a team of one, what a server
-    steps with beside a busy neighbour (entrypoints/cpu_share.py; other sizes build theirs when
-    they first come): ~1.1 s each for SmolLM2-135M in bf16 on the AMX Xeon VM."""
+    OpenMP team too, so each is built for the whole team and for one thread fewer, what a server
+    steps with while a neighbour keeps one of its cores busy (entrypoints/cpu_share.py; other
+    sizes build theirs when they first come): ~1 s each for SmolLM2-135M in bf16 on the AMX
+    Xeon VM (2 cores: teams of 2 and 1)."""
     decoder = model.model
     if type(decoder) is not FusedDecoderModel or decoder.max_rows >= tokens:
         return
@@ -235,7 +236,7 @@ def warm_gemms(model: nn.Module, tokens: int) -> None:
             shapes.setdefault((linear.n, linear.k), linear)
     team = torch.get_num_threads()
     try:
-        for threads in sorted({team, 1}, reverse=True):
+        for threads in sorted({team, max(1, team - 1)}, reverse=True):
             torch.set_num_threads(threads)
             with torch.inference_mode():
                 for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,

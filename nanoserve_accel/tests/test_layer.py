@@ -271,12 +271,12 @@ def test_warm_gemms_builds_each_shape_for_each_padded_row_count_and_team():
     shapes = {(64 + 2 * 32, 64), (64, 64), (2 * 96, 64), (64, 96)}  # qkv, o, gate|up, down
     team = torch.get_num_threads()
     try:
-        for threads in (2, 1):  # oneDNN builds per team size: the whole team's and one's
+        for threads, teams in ((3, {3, 2}), (2, {2, 1}), (1, {1})):  # whole, one fewer
             torch.set_num_threads(threads)
             built.clear()
             warm_gemms(layers, 70)
             assert sorted(built) == sorted((n, k, rows, t) for n, k in shapes
-                                           for rows in (32, 48, 64) for t in {threads, 1})
+                                           for rows in (32, 48, 64) for t in teams)
             assert torch.get_num_threads() == threads  # the team is left as it was
             built.clear()
             warm_gemms(layers, 20)  # no step goes beyond the C GEMMs
