@@ -234,16 +234,16 @@ def warm_gemms(model: nn.Module, tokens: int) -> None:
         attn, mlp = layer.plain.self_attn.plain, layer.plain.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             shapes.setdefault((linear.n, linear.k), linear)
+    counts = range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1, ROW_STEP)
+    builds = [(rows, linear) for rows in counts for linear in shapes.values()
+              if linear.max_rows is not None and rows > linear.max_rows]  # oneDNN's rows
     team = torch.get_num_threads()
     try:
-        for threads in sorted({team, max(1, team - 1)}, reverse=True):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                for rows in range(padded_rows(decoder.max_rows + 1), min(tokens, WARM_ROWS) + 1,
-                                  ROW_STEP):
-                    for linear in shapes.values():
-                        if linear.max_rows is not None and rows > linear.max_rows:  # oneDNN's
-                            linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
+        with torch.inference_mode():
+            for threads in sorted({team, max(1, team - 1)}, reverse=True):
+                torch.set_num_threads(threads)
+                for rows, linear in builds:
+                    linear.library(torch.zeros(rows, linear.k, dtype=linear.dtype))
     finally:
         torch.set_num_threads(team)
 
