@@ -30,9 +30,10 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
                 or not all(t is not None and t.is_contiguous() for t in tensors)):
             return backend.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, flash_contract)
-        # The twin's checks (the kernel checks the block ids itself).
-        torch_attention.check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                          flash_contract)
+        # The twin's checks of the shapes; the kernel checks the lengths and block ids itself,
+        # where they cost a loop, not 2 reductions and their reads back in every layer.
+        args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, flash_contract)
+        torch_attention.check_decode_args(*args, lengths=False)
         batch, _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty_like(q)
@@ -42,7 +43,8 @@ def with_decode_kernel(backend: AttentionBackend, lib: ctypes.CDLL) -> Attention
             cache_seqlens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
             block_size, block_table.shape[1], num_blocks, scale, q.dtype == torch.bfloat16,
             None, 0)
-        if bad >= 0:  # nothing was read
+        if bad >= 0:  # nothing was read: the twin's check names a bad length, else a block id
+            torch_attention.check_decode_args(*args)
             raise ValueError(f"block_table row {bad} holds block ids outside [0, {num_blocks})")
         return out
 

@@ -91,9 +91,9 @@ def flash_attn_varlen_func(
     return out
 
 
-def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                      flash_contract) -> None:
-    """flash_attn_with_kvcache's contract (the lengths too, on a CPU: on a GPU, a sync)."""
+def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table, flash_contract,
+                      lengths: bool = True) -> None:
+    """flash_attn_with_kvcache's contract; on a CPU the lengths too, unless a kernel checks them."""
     _require(k is None and v is None and block_table is not None and cache_seqlens is not None,
              "the torch twin reads K/V in the cache: pass k=None, v=None, block_table and "
              "cache_seqlens")
@@ -106,7 +106,7 @@ def check_decode_args(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                          f"and q's head_dim {head_dim} do not match")
     if block_table.shape[0] != batch or cache_seqlens.shape != (batch,):
         raise ValueError(f"block_table and cache_seqlens need one row per query ({batch})")
-    if cache_seqlens.device.type == "cpu":
+    if lengths and cache_seqlens.device.type == "cpu":
         lo, hi = cache_seqlens.aminmax()
         if lo < 1:
             raise ValueError(_NO_KEY.format(int(cache_seqlens.argmin())))

@@ -148,6 +148,20 @@ def test_shared_twin_checks_still_apply():
         run(case, block_table=case.block_table[:3].contiguous())
 
 
+def test_the_kernel_checks_the_lengths_where_the_twin_would_read_them_back(monkeypatch):
+    """Per layer the twin's checks run on the shapes only; only a refused call reruns them all,
+    to name the bad length."""
+    calls, check = [], torch_attention.check_decode_args
+    monkeypatch.setattr(torch_attention, "check_decode_args",
+                        lambda *a, **kw: calls.append(kw.get("lengths", True)) or check(*a, **kw))
+    case = PagedCase(LENS, 16, num_kv_heads=2, group=1, seed=0, head_dim=64)
+    run(case)
+    assert calls == [False]
+    with pytest.raises(ValueError, match="too few columns"):
+        run(case, cache_seqlens=torch.tensor([1, 5, 16, 17, 40, 10**4], dtype=torch.int32))
+    assert calls == [False, False, True]
+
+
 @pytest.mark.parametrize("bad_request", [0, 5])
 def test_a_bad_length_is_named_and_unread_padding_may_hold_anything(bad_request):
     case = PagedCase(LENS, 16, num_kv_heads=2, group=1, seed=0, head_dim=64)
