@@ -268,12 +268,14 @@ int paged_decode(ARGS, int bf16, const void* next, int64_t next_bytes) {
       for (int64_t byte = piece * 4096; byte < end; byte += 64)
         __builtin_prefetch((const char*)next + byte, 0, 2);
     }
-#pragma omp barrier /* every part's output is written */
+    if (parts > B) { /* a split request: merge its parts once every part's output is written */
+#pragma omp barrier
 #pragma omp for
-    for (int b2 = 0; b2 < B; ++b2)
-      if (first[b2 + 1] - first[b2] > 1)
-        merge_parts(part_out + (int64_t)first[b2] * H * D, part_lse + (int64_t)first[b2] * H,
-                    first[b2 + 1] - first[b2], (char*)out + b2 * row_bytes, H, D, bf16);
+      for (int b2 = 0; b2 < B; ++b2)
+        if (first[b2 + 1] - first[b2] > 1)
+          merge_parts(part_out + (int64_t)first[b2] * H * D, part_lse + (int64_t)first[b2] * H,
+                      first[b2 + 1] - first[b2], (char*)out + b2 * row_bytes, H, D, bf16);
+    }
   }
   free(part_out), free(part_lse);
   return -1;
