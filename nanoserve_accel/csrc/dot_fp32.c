@@ -22,11 +22,24 @@ enum { MAX_ROWS = 6, COLS = 4 };
  * same k of the column one group ahead, into L2 (two or four groups ahead measured no faster). */
 enum { PREFETCH_COLS = 4 };
 
+/* A lone row's stream (below) asks for each line this many bytes ahead, into L2, on Intel (an
+ * AMX build): there a core keeps few misses in flight of its own (one thread read ~16.5 GB/s
+ * where two read 33) and the hardware prefetcher alone left the stream short of that. AMX Xeon
+ * VM, kernel_ab.py, SmolLM2-135M float32 one row, the step against none: 4 KB 0.977, 0.982,
+ * 0.979 (the read at 31.5-34 GB/s); 2 KB 0.984, 8 KB 0.985, 16 KB 0.987, 4 KB into L1 0.988;
+ * the layers' GEMMs alone 0.998, the lm_head's alone 0.986. Elsewhere none: on the Zen 4 VM
+ * (avx512_bf16) the lone row's stream was slower 8 KB ahead than without (ONE_ROW_COLUMNS). */
+#if defined(__AMX_TILE__)
+enum { ONE_ROW_AHEAD = 4096 };
+#else
+enum { ONE_ROW_AHEAD = 0 };
+#endif
+
 /* Rows m0 .. m0 + ROWS - 1 times columns n0 .. n0 + NC - 1 (NC <= COLS). Each (row, column)
  * sums its k in one fixed order (16 lanes, k ascending, then the lanes' sum) whatever ROWS and
  * NC are: a row's result does not depend on the rows beside it. Only the first block of rows
- * prefetches: the next ones find the group in L1. Always inlined: ROWS and NC are then
- * constants and `acc` stays in registers. */
+ * prefetches (`prefetch` 1; 2 is a lone row's, ONE_ROW_AHEAD): the next ones find the group in
+ * L1. Always inlined: ROWS and NC are then constants and `acc` stays in registers. */
 static inline __attribute__((always_inline)) void dot_block(
     const float* x, const float* w, const float* bias, float* y, int N, int K, int m0, int n0,
     const int ROWS, const int NC, const int prefetch) {
@@ -47,8 +60,10 @@ static inline __attribute__((always_inline)) void dot_block(
       const float* wp = wc + (int64_t)c * K + k;
       const __m512 wv = _mm512_loadu_ps(wp);
       /* As an integer: the last group's addresses lie past W (a prefetch never faults). */
-      if (prefetch)
+      if (prefetch == 1)
         __builtin_prefetch((const void*)((uintptr_t)wp + (uintptr_t)PREFETCH_COLS * K * 4), 0, 2);
+      else if (prefetch == 2)
+        __builtin_prefetch((const void*)((uintptr_t)wp + ONE_ROW_AHEAD), 0, 2);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
     }
@@ -93,15 +108,15 @@ static inline __attribute__((always_inline)) void dot_columns(
   }
 }
 
-/* A lone row (a tied lm_head's plain table at one decode row) takes each column whole, one
- * after another, 16 a task, without prefetches: W is then read as one front-to-back stream a
- * thread, and the core overlaps the columns' chains of FMAs itself. In a group's COLS columns at
- * once, its COLS rows of W were streams of their own, read a line at a time in turn, which the
- * hardware prefetcher followed below memory speed. Zen 4 VM (avx512_bf16), SmolLM2-135M's
- * [49152, 576] in float32 against torch's sum of 256 MB (2 MB pages), 3 runs: groups 1.19 /
- * 1.15 / 1.57x the read, whole columns 0.99 / 1.02 / 1.25x (8 KB ahead 1.09 / 1.04 / 1.42x);
- * the engine's step (kernel_ab.py) 0.980 of the groups'. The same sums in dot_block's order:
- * the same bits. */
+/* A lone row (a tied lm_head's plain table at one decode row) takes each column whole, one after
+ * another, 16 a task, without prefetches but ONE_ROW_AHEAD's: W is then read as one front-to-back
+ * stream a thread, and the core overlaps the columns' chains of FMAs itself. In a group's COLS
+ * columns at once, its COLS rows of W were streams of their own, read a line at a time in turn,
+ * which the hardware prefetcher followed below memory speed. Zen 4 VM (avx512_bf16),
+ * SmolLM2-135M's [49152, 576] in float32 against torch's sum of 256 MB (2 MB pages), 3 runs:
+ * groups 1.19 / 1.15 / 1.57x the read, whole columns 0.99 / 1.02 / 1.25x (8 KB ahead 1.09 / 1.04 /
+ * 1.42x); the engine's step (kernel_ab.py) 0.980 of the groups'. The same sums in dot_block's
+ * order: the same bits. */
 enum { ONE_ROW_COLUMNS = 16 };
 
 /* One task per group of COLS adjacent columns (COLS rows of W, contiguous); "guided" hands out
@@ -113,7 +128,7 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
 #pragma omp parallel for schedule(guided)
     for (int n0 = 0; n0 < N; n0 += ONE_ROW_COLUMNS)
       for (int n = n0; n < N && n < n0 + ONE_ROW_COLUMNS; ++n)
-        dot_block(x, w, bias, y, N, K, 0, n, 1, 1, 0);
+        dot_block(x, w, bias, y, N, K, 0, n, 1, 1, ONE_ROW_AHEAD ? 2 : 0);
     return;
   }
   const int groups = N / COLS;
