@@ -105,16 +105,20 @@ static inline void store_row(uint16_t* y, const float* sums, __m512 bias) {
 #ifdef __AVX512BF16__
 /* A lone row (a one-request decode step) is not worth the tile unit: the tiles then multiply one
  * row by each 1 KB of W, and the weight stream went below memory speed. AVX512-BF16 dot products
- * on the same W read it faster: a chunk's row is one k pair of 32 columns (128 bytes), so a
- * block is one contiguous stream, each pair multiplied by the row's pair (broadcast) and summed
- * into 16 lanes a group, each group in two sums (even and odd pairs): four chains of dpbf16 in
- * flight, each line asked for 4 KB ahead into L2. kernel_ab.py on the AMX Xeon VM (2 cores),
+ * on the same W read it faster: a chunk's row is one k pair of 32 columns (128 bytes), so a block
+ * is one contiguous stream, each pair multiplied by the row's pair (broadcast) and summed into 16
+ * lanes a group, each group in two sums (even and odd pairs): four chains of dpbf16 in flight,
+ * each line asked for ROW_AHEAD bytes ahead into L2. kernel_ab.py on the AMX Xeon VM (2 cores),
  * SmolLM2-135M bf16 one row, the step against the tiles' (then on 16-column groups, one stream
- * each): one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165),
- * two groups 0.941-0.957, four 0.973; at 2 rows level with the tiles (0.993), at 4 worse (1.08).
- * Its float sums are in another order than the tile unit's: a lone row's bf16 output can differ
- * in its last bit from the same row's among others (the tiles' rows alike whatever is beside). */
-enum { ROW_AHEAD = 4096 };
+ * each): one group a task 0.948-0.973 (2 KB ahead 0.981, 6 KB 1.014, 8 KB 1.024, none 1.165), two
+ * groups 0.941-0.957, four 0.973; at 2 rows level with the tiles (0.993), at 4 worse (1.08). Its
+ * float sums are in another order than the tile unit's: a lone row's bf16 output can differ in its
+ * last bit from the same row's among others (the tiles' rows alike whatever is beside). Those
+ * distances were measured with "guided" handing out the blocks; since each thread takes one run of
+ * them (linear_amx), 6 KB ahead against 4 KB: 0.975, 0.979, 0.980 (135M, the read at 32.9-33 GB/s;
+ * 5 KB 0.982, 7 KB 0.980, 8 KB 0.986-0.990, 12 KB 0.985, 2 KB 1.039), the Llama-3.2-1B shape
+ * 0.990. */
+enum { ROW_AHEAD = 6144 };
 
 static inline void row_dots(const uint16_t* x, const uint16_t* wb, const uint16_t* bias,
                             uint16_t* y, int K, int n0) {
@@ -154,9 +158,9 @@ void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, 
   const int blocks = N / 32, chunks = K / 32;
 #ifdef __AVX512BF16__
   /* A lone row: each thread one contiguous run, an equal share ("static"), so that row_dots'
-   * asks 4 KB ahead stay in the thread's own blocks (under "guided" a run's last asks reach a
+   * asks ahead stay in the thread's own blocks (under "guided" a run's last asks reach a
    * block the other thread may take; which part of the gain that is was not measured apart).
-   * kernel_ab.py, AMX Xeon VM, bf16 one row, the step against "guided": SmolLM2-135M 0.975,
+   * kernel_ab.py, AMX Xeon VM, bf16 one row (4 KB ahead), against "guided": SmolLM2-135M 0.975,
    * 0.971, 0.978 (the read at 33.6-34.1 GB/s), the Llama-3.2-1B shape 0.972. The float32 lone
    * row's columns (dot_fp32.c) measured level either way (0.997, 0.998). */
   if (M == 1) {
