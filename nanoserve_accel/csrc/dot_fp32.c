@@ -37,12 +37,12 @@ enum { ONE_ROW_AHEAD = 0 };
 
 /* Rows m0 .. m0 + ROWS - 1 times columns n0 .. n0 + NC - 1 (NC <= COLS). Each (row, column)
  * sums its k in one fixed order (16 lanes, k ascending, then the lanes' sum) whatever ROWS and
- * NC are: a row's result does not depend on the rows beside it. Only the first block of rows
- * prefetches (`prefetch` 1; 2 is a lone row's, ONE_ROW_AHEAD): the next ones find the group in
+ * NC are: a row's result does not depend on the rows beside it. Each load asks for the line
+ * `ahead` bytes on (0: none); only the first block of rows asks: the next ones find the group in
  * L1. Always inlined: ROWS and NC are then constants and `acc` stays in registers. */
 static inline __attribute__((always_inline)) void dot_block(
     const float* x, const float* w, const float* bias, float* y, int N, int K, int m0, int n0,
-    const int ROWS, const int NC, const int prefetch) {
+    const int ROWS, const int NC, const int64_t ahead) {
   __m512 acc[MAX_ROWS][COLS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -60,10 +60,7 @@ static inline __attribute__((always_inline)) void dot_block(
       const float* wp = wc + (int64_t)c * K + k;
       const __m512 wv = _mm512_loadu_ps(wp);
       /* As an integer: the last group's addresses lie past W (a prefetch never faults). */
-      if (prefetch == 1)
-        __builtin_prefetch((const void*)((uintptr_t)wp + (uintptr_t)PREFETCH_COLS * K * 4), 0, 2);
-      else if (prefetch == 2)
-        __builtin_prefetch((const void*)((uintptr_t)wp + ONE_ROW_AHEAD), 0, 2);
+      if (ahead) __builtin_prefetch((const void*)((uintptr_t)wp + (uintptr_t)ahead), 0, 2);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
     }
@@ -101,8 +98,8 @@ static inline __attribute__((always_inline)) void dot_columns(
   const int blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
   for (int b = 0, m0 = 0, rows; b < blocks; ++b, m0 += rows) {
     rows = M / blocks + (b < M % blocks);
-    const int first = b == 0;
-#define DOT_BLOCK(R) dot_block(x, w, bias, y, N, K, m0, n0, R, NC, first)
+    const int64_t ahead = b == 0 ? (int64_t)PREFETCH_COLS * K * 4 : 0;
+#define DOT_BLOCK(R) dot_block(x, w, bias, y, N, K, m0, n0, R, NC, ahead)
     BY_ROWS(rows, MAX_ROWS, DOT_BLOCK);
 #undef DOT_BLOCK
   }
@@ -128,7 +125,7 @@ void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y
 #pragma omp parallel for schedule(guided)
     for (int n0 = 0; n0 < N; n0 += ONE_ROW_COLUMNS)
       for (int n = n0; n < N && n < n0 + ONE_ROW_COLUMNS; ++n)
-        dot_block(x, w, bias, y, N, K, 0, n, 1, 1, ONE_ROW_AHEAD ? 2 : 0);
+        dot_block(x, w, bias, y, N, K, 0, n, 1, 1, ONE_ROW_AHEAD);
     return;
   }
   const int groups = N / COLS;
