@@ -140,7 +140,7 @@ FAMILIES = {
         frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
         frozenset({"c", "dot_fp32", "dpbf16", "amx", "paged_prefill", "paged_prefill_fp32"}),
         frozenset(DTYPES)),
-    "AVX512-BF16, no AMX (AMD Zen 4)": Machine(
+    "AVX512-BF16, no AMX (AMD Zen 4, Zen 5)": Machine(
         frozenset({"avx2", "avx512f", "avx512_bf16"}),
         frozenset({"c", "dot_fp32", "dpbf16", "paged_prefill", "paged_prefill_fp32"}),
         frozenset(DTYPES)),
