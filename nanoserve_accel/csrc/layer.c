@@ -33,8 +33,8 @@ void linear_fp32_blocked(const float* x, const float* w, const float* bias, floa
 #endif
 #ifdef __AVX512BF16__
 void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
-void linear_dpbf16_blocked(const void* x, const void* w, const void* bias, void* y, int N, int M,
-                           int K);
+void linear_dpbf16_blocked_then(const void* x, const void* w, const void* bias, void* y, int N,
+                                int M, int K, const void* next, int next_n, int next_k);
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 void linear_amx(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
@@ -59,8 +59,11 @@ struct layer {
   float eps, scale;
 };
 
-/* y [M, g->n] = x [M, g->k] W^T (+ bias); 0, or -1 for a kind this library was not built with. */
-static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
+/* y [M, g->n] = x [M, g->k] W^T (+ bias); 0, or -1 for a kind this library was not built with.
+ * `next`: the GEMM the layer runs next (or NULL), whose weights a lone row's threads ask for
+ * while they wait for each other (dpbf16.c's lone_row). */
+static int gemm(const struct gemm* g, const struct gemm* next, const void* x, void* y, int M,
+                int bf16) {
   switch (g->kind) {
     case GEMM_PANELS: linear_panels(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
 #ifdef __AVX512F__
@@ -72,7 +75,9 @@ static int gemm(const struct gemm* g, const void* x, void* y, int M, int bf16) {
 #ifdef __AVX512BF16__
     case GEMM_DPBF16: linear_dpbf16(x, g->w, g->bias, y, g->n, M, g->k); return 0;
     case GEMM_DPBF16_BLOCKED:
-      linear_dpbf16_blocked(x, g->w, g->bias, y, g->n, M, g->k);
+      if (!next || next->kind != GEMM_DPBF16_BLOCKED) next = NULL;
+      linear_dpbf16_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next ? next->w : NULL,
+                                 next ? next->n : 0, next ? next->k : 0);
       return 0;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -108,10 +113,11 @@ void step_parts(int64_t* out) {
 /* One layer for n decode rows, x [n, hidden] -> out [n, hidden]; cos, sin [n, D] (each row's
  * position); slots [n], block_table [n, W], lens [n] as AttentionMetadata's decode fields.
  * Returns -1; or a row r in [0, n) whose block_table / lens paged_decode refuses, or n + i for
- * a slot i outside the cache (then the caller raises); or -2 for a GEMM kind not built here. */
-int decode_layer(const struct layer* L, const void* x, void* out, const void* cos, const void* sin,
-                 const int64_t* slots, const int32_t* block_table, const int32_t* lens, int n,
-                 int W) {
+ * a slot i outside the cache (then the caller raises); or -2 for a GEMM kind not built here.
+ * `then`: the layer that runs next (or NULL), whose qkv_proj follows this layer's down_proj. */
+static int layer_then(const struct layer* L, const struct layer* then, const void* x, void* out,
+                      const void* cos, const void* sin, const int64_t* slots,
+                      const int32_t* block_table, const int32_t* lens, int n, int W) {
   const int esize = L->bf16 ? 2 : 4, q_width = L->H * L->D, kv_width = L->Hkv * L->D;
   const int64_t rows = n;
   char* ws = malloc(esize * rows * (L->hidden + L->qkv.n + q_width + 2 * kv_width + q_width +
@@ -123,7 +129,7 @@ int decode_layer(const struct layer* L, const void* x, void* out, const void* co
   int status = -1, bad;
   MARKS_START;
   rms_norm(x, L->input_norm, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
-  if (gemm(&L->qkv, h, qkv, n, L->bf16)) { status = -2; goto done; } MARK(PART_QKV);
+  if (gemm(&L->qkv, &L->o, h, qkv, n, L->bf16)) { status = -2; goto done; } MARK(PART_QKV);
   qkv_rope(qkv, cos, sin, q, k, v, n, L->H, L->Hkv, L->D, L->bf16);
   bad = store_kv(k, v, L->k_cache, L->v_cache, slots, n, kv_width * esize,
                  (int64_t)L->num_blocks * L->block_size);
@@ -132,15 +138,23 @@ int decode_layer(const struct layer* L, const void* x, void* out, const void* co
                      L->block_size, W, L->num_blocks, L->scale, L->bf16, L->o.w,
                      (int64_t)L->o.n * L->o.k * esize); /* o_proj's weights: read next */
   if (bad >= 0) { status = bad; goto done; } MARK(PART_ATTENTION);
-  if (gemm(&L->o, att, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_O);
+  if (gemm(&L->o, &L->gate_up, att, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_O);
   add_rms_norm(x, h, L->post_norm, out, h, n, L->hidden, L->eps, L->bf16); MARK(PART_OTHER);
-  if (gemm(&L->gate_up, h, gate_up, n, L->bf16)) { status = -2; goto done; } MARK(PART_GATE_UP);
+  if (gemm(&L->gate_up, &L->down, h, gate_up, n, L->bf16)) { status = -2; goto done; }
+  MARK(PART_GATE_UP);
   silu_mul(gate_up, act, n, L->I, L->bf16); MARK(PART_OTHER);
-  if (gemm(&L->down, act, h, n, L->bf16)) { status = -2; goto done; } MARK(PART_DOWN);
+  if (gemm(&L->down, then ? &then->qkv : NULL, act, h, n, L->bf16)) { status = -2; goto done; }
+  MARK(PART_DOWN);
   add(out, h, out, n, L->hidden, L->bf16); MARK(PART_OTHER);
 done:
   free(ws);
   return status;
+}
+
+int decode_layer(const struct layer* L, const void* x, void* out, const void* cos, const void* sin,
+                 const int64_t* slots, const int32_t* block_table, const int32_t* lens, int n,
+                 int W) {
+  return layer_then(L, NULL, x, out, cos, sin, slots, block_table, lens, n, W);
 }
 
 /* Every layer of the model for n decode rows, one after another: one call from Python a step,
@@ -152,8 +166,8 @@ int decode_layers(const struct layer* const* layers, int count, const void* x, v
                   const void* cos, const void* sin, const int64_t* slots,
                   const int32_t* block_table, const int32_t* lens, int n, int W, int* done) {
   for (int i = 0; i < count; ++i) {
-    const int status =
-        decode_layer(layers[i], i ? out : x, out, cos, sin, slots, block_table, lens, n, W);
+    const int status = layer_then(layers[i], i + 1 < count ? layers[i + 1] : NULL, i ? out : x,
+                                  out, cos, sin, slots, block_table, lens, n, W);
     if (status != -1) {
       *done = i;
       return status;
