@@ -10,6 +10,7 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include <omp.h>
 
 int has_dot_fp32(void) { return 1; }
 
@@ -214,16 +215,43 @@ static void blocked_task(const float* x, const float* wb, const float* bias, flo
   }
 }
 
-/* N % 64 == 0 (the caller checks). A task is a column block; "guided" hands out runs of adjacent
- * ones, as linear_dot_fp32() does. (Half blocks, where there are under 16, evened out the two
- * threads' share of SmolLM2-135M's 9-block linears but measured slower: 1-row step 14.4-14.8 ->
- * 10.6-13.8 ms without them, 16 rows 27.4-28.6 -> 24.3-25.4, Zen 4 VM, alternating runs.) */
-void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
-                         int M, int K) {
+/* N % 64 == 0 (the caller checks; next_n too). A task is a column block; "guided" hands out runs
+ * of adjacent ones, as linear_dot_fp32() does. (Half blocks, where there are under 16, evened
+ * out the two threads' share of SmolLM2-135M's 9-block linears but measured slower: 1-row step
+ * 14.4-14.8 -> 10.6-13.8 ms without them, 16 rows 27.4-28.6 -> 24.3-25.4, Zen 4 VM, alternating
+ * runs.) A lone row as dpbf16.c's lone_row: its blocks in equal runs, and a thread done with its
+ * run asks for its run of `next` (this layout, [next_n, next_k]; or NULL) while the other
+ * computes, 256 KB at most. Zen 5 VM, kernel_ab.py, 135M fp32, one row, the step over `guided`
+ * without, where the memory read at 77-80 GB/s: 0.978, 0.984, 0.992, 1.006, 1.009 (fp32's
+ * o_proj had taken 1.22 of its read there, qkv_proj 1.13, down_proj 1.14); level at 43-51 GB/s
+ * (0.994-1.005, eight runs). The same sums in the same order: the same bits. */
+enum { FP32_NEXT_MAX = 256 * 1024 };
+
+void linear_fp32_blocked_then(const float* x, const float* w, const float* bias, float* y, int N,
+                              int M, int K, const float* next, int next_n, int next_k) {
   const int blocks = N / FB_COLS;
+  if (M == 1) {
+    int done = 0; /* threads done with their run */
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      for (int b = first_block(blocks, t, T); b < first_block(blocks, t + 1, T); ++b)
+        blocked_task(x, w + (int64_t)b * FB_COLS * K, bias, y, N, 1, K, b * FB_COLS);
+      __atomic_add_fetch(&done, 1, __ATOMIC_RELAXED);
+      if (next)
+        ask_for_run(next, next_n / FB_COLS, (int64_t)FB_COLS * next_k * sizeof *next, t, T,
+                    &done, FP32_NEXT_MAX);
+    }
+    return;
+  }
 #pragma omp parallel for schedule(guided)
   for (int b = 0; b < blocks; ++b)
     blocked_task(x, w + (int64_t)b * FB_COLS * K, bias, y, N, M, K, b * FB_COLS);
+}
+
+void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
+                         int M, int K) {
+  linear_fp32_blocked_then(x, w, bias, y, N, M, K, NULL, 0, 0);
 }
 #else
 int has_dot_fp32(void) { return 0; }

@@ -152,22 +152,16 @@ static inline __attribute__((always_inline)) void blocked_rows(
     }
 }
 
-/* A lone row's column blocks in equal runs, one a thread, as `static` splits them but in the
- * thread's own loop, so that it knows its run of the next weight too (first_block). A thread
- * done with its run asks for its run of `next` (the weight the caller multiplies next, in this
- * layout, [next_n, next_k]; or NULL), 4 KB at a time into L2, until every thread is done or it
- * has asked for NEXT_MAX bytes. Why: one core of the Zen 5 VM (avx512_bf16) reads ~39 GB/s
- * alone and two ~78, so where a linear's blocks do not split evenly (SmolLM2-135M's 9 and 15)
- * the thread with a block fewer cannot hurry the other, and its wait was memory left idle:
- * o_proj and down_proj took 1.27 and 1.12 of their read where the memory read at ~80 GB/s.
- * kernel_ab.py, 135M bf16, one row, the step over `guided` without, where the memory read at
- * 78-82 GB/s: 0.972, 0.982, 0.985, 0.989, 1.016 (a scratch build of the same: 0.944, 0.953,
+/* A lone row's blocks in equal runs (kernels.h's first_block); a thread done with its run asks
+ * for its run of `next` (this layout, [next_n, next_k]; or NULL) while the other computes
+ * (ask_for_run), NEXT_MAX bytes at most. The linears of SmolLM2-135M with 9 and 15 blocks, o_proj
+ * and down_proj, had taken 1.27 and 1.12 of their read where the Zen 5 VM's memory read at ~80
+ * GB/s. kernel_ab.py, 135M bf16, one row, the step over `guided` without, where the memory read
+ * at 78-82 GB/s: 0.972, 0.982, 0.985, 0.989, 1.016 (a scratch build of the same: 0.944, 0.953,
  * 0.981, 0.995); level at 48-52 GB/s, where one thread alone takes more of it (0.996-1.005).
  * 512 KB at most 0.963, 128 KB 0.994 beside 256 KB's 0.995; `static` without asking 0.999-1.002.
  * The sums are blocked_rows', in the same order: the same bits. */
 enum { NEXT_MAX = 256 * 1024 };
-
-static int first_block(int blocks, int t, int T) { return (int)((int64_t)blocks * t / T); }
 
 static void lone_row(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                      int N, int K, const uint16_t* next, int next_n, int next_k) {
@@ -179,15 +173,9 @@ static void lone_row(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
     for (int b = first_block(blocks, t, T); b < first_block(blocks, t + 1, T); ++b)
       blocked_rows(x, w + (int64_t)b * BLOCK_COLS * K, bias, y, N, K, 0, b * BLOCK_COLS, 1);
     __atomic_add_fetch(&done, 1, __ATOMIC_RELAXED);
-    if (next) {
-      const int64_t block_bytes = (int64_t)BLOCK_COLS * next_k * sizeof *next;
-      const int next_blocks = next_n / BLOCK_COLS;
-      const char* p = (const char*)next + first_block(next_blocks, t, T) * block_bytes;
-      const char* end = (const char*)next + first_block(next_blocks, t + 1, T) * block_bytes;
-      if (end - p > NEXT_MAX) end = p + NEXT_MAX;
-      while (p < end && __atomic_load_n(&done, __ATOMIC_RELAXED) < T)
-        for (int i = 0; i < 4096 && p < end; i += 64, p += 64) __builtin_prefetch(p, 0, 2);
-    }
+    if (next)
+      ask_for_run(next, next_n / BLOCK_COLS, (int64_t)BLOCK_COLS * next_k * sizeof *next, t, T,
+                  &done, NEXT_MAX);
   }
 }
 

@@ -15,6 +15,26 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A lone row's column blocks in equal runs, one a thread, as `static` splits them but in each
+ * thread's own loop, so that a thread knows its run of the next weight too: thread t of T takes
+ * blocks first_block(blocks, t, T) .. first_block(blocks, t + 1, T) - 1. */
+static inline int first_block(int blocks, int t, int T) { return (int)((int64_t)blocks * t / T); }
+
+/* Thread t, done with its run (*done counts the threads done), asks for its run of `next` (the
+ * weight the caller multiplies next: `blocks` column blocks of `block_bytes`), 4 KB at a time
+ * into L2, until every thread is done or it has asked for `most` bytes. Why: one core of the Zen
+ * 5 VM (avx512_bf16) reads ~39 GB/s alone and two ~78, so where a linear's blocks do not split
+ * evenly (SmolLM2-135M's 9 and 15) the thread with a block fewer cannot hurry the other, and its
+ * wait was memory left idle (figures: dpbf16.c, dot_fp32.c). */
+static inline void ask_for_run(const void* next, int blocks, int64_t block_bytes, int t, int T,
+                               int* done, int64_t most) {
+  const char* p = (const char*)next + first_block(blocks, t, T) * block_bytes;
+  const char* end = (const char*)next + first_block(blocks, t + 1, T) * block_bytes;
+  if (end - p > most) end = p + most;
+  while (p < end && __atomic_load_n(done, __ATOMIC_RELAXED) < T)
+    for (int i = 0; i < 4096 && p < end; i += 64, p += 64) __builtin_prefetch(p, 0, 2);
+}
+
 /* CALL(R) with R a compile-time constant equal to `rows` (1 <= rows <= most <= 8): a GEMM kernel
  * inlined once per row count keeps its accumulators for exactly that many rows in registers. */
 #define MIN_ROWS(r, most) ((r) < (most) ? (r) : (most))

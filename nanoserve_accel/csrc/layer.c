@@ -28,8 +28,8 @@ int paged_decode(const void* q, const void* k_cache, const void* v_cache,
 #ifdef __AVX512F__
 void linear_dot_fp32(const float* x, const float* w, const float* bias, float* y, int N, int M,
                      int K);
-void linear_fp32_blocked(const float* x, const float* w, const float* bias, float* y, int N,
-                         int M, int K);
+void linear_fp32_blocked_then(const float* x, const float* w, const float* bias, float* y, int N,
+                              int M, int K, const float* next, int next_n, int next_k);
 #endif
 #ifdef __AVX512BF16__
 void linear_dpbf16(const void* x, const void* w, const void* bias, void* y, int N, int M, int K);
@@ -61,7 +61,7 @@ struct layer {
 
 /* y [M, g->n] = x [M, g->k] W^T (+ bias); 0, or -1 for a kind this library was not built with.
  * `next`: the GEMM the layer runs next (or NULL), whose weights a lone row's threads ask for
- * while they wait for each other (dpbf16.c's lone_row). */
+ * while they wait for each other (kernels.h's ask_for_run). */
 static int gemm(const struct gemm* g, const struct gemm* next, const void* x, void* y, int M,
                 int bf16) {
   switch (g->kind) {
@@ -69,7 +69,9 @@ static int gemm(const struct gemm* g, const struct gemm* next, const void* x, vo
 #ifdef __AVX512F__
     case GEMM_DOT_FP32: linear_dot_fp32(x, g->w, g->bias, y, g->n, M, g->k); return 0;
     case GEMM_DOT_FP32_BLOCKED:
-      linear_fp32_blocked(x, g->w, g->bias, y, g->n, M, g->k);
+      if (!next || next->kind != GEMM_DOT_FP32_BLOCKED) next = NULL;
+      linear_fp32_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next ? next->w : NULL,
+                               next ? next->n : 0, next ? next->k : 0);
       return 0;
 #endif
 #ifdef __AVX512BF16__
