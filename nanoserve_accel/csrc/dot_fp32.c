@@ -225,8 +225,6 @@ static void blocked_task(const float* x, const float* wb, const float* bias, flo
  * without, where the memory read at 77-80 GB/s: 0.978, 0.984, 0.992, 1.006, 1.009 (fp32's
  * o_proj had taken 1.22 of its read there, qkv_proj 1.13, down_proj 1.14); level at 43-51 GB/s
  * (0.994-1.005, eight runs). The same sums in the same order: the same bits. */
-enum { FP32_NEXT_MAX = 256 * 1024 };
-
 void linear_fp32_blocked_then(const float* x, const float* w, const float* bias, float* y, int N,
                               int M, int K, const float* next, int next_n, int next_k) {
   const int blocks = N / FB_COLS;
@@ -240,7 +238,7 @@ void linear_fp32_blocked_then(const float* x, const float* w, const float* bias,
       __atomic_add_fetch(&done, 1, __ATOMIC_RELAXED);
       if (next)
         ask_for_run(next, next_n / FB_COLS, (int64_t)FB_COLS * next_k * sizeof *next, t, T,
-                    &done, FP32_NEXT_MAX);
+                    &done);
     }
     return;
   }

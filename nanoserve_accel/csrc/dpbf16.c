@@ -154,15 +154,13 @@ static inline __attribute__((always_inline)) void blocked_rows(
 
 /* A lone row's blocks in equal runs (kernels.h's first_block); a thread done with its run asks
  * for its run of `next` (this layout, [next_n, next_k]; or NULL) while the other computes
- * (ask_for_run), NEXT_MAX bytes at most. The linears of SmolLM2-135M with 9 and 15 blocks, o_proj
+ * (ask_for_run), NEXT_MOST bytes at most. The linears of SmolLM2-135M with 9 and 15 blocks, o_proj
  * and down_proj, had taken 1.27 and 1.12 of their read where the Zen 5 VM's memory read at ~80
  * GB/s. kernel_ab.py, 135M bf16, one row, the step over `guided` without, where the memory read
  * at 78-82 GB/s: 0.972, 0.982, 0.985, 0.989, 1.016 (a scratch build of the same: 0.944, 0.953,
  * 0.981, 0.995); level at 48-52 GB/s, where one thread alone takes more of it (0.996-1.005).
  * 512 KB at most 0.963, 128 KB 0.994 beside 256 KB's 0.995; `static` without asking 0.999-1.002.
  * The sums are blocked_rows', in the same order: the same bits. */
-enum { NEXT_MAX = 256 * 1024 };
-
 static void lone_row(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                      int N, int K, const uint16_t* next, int next_n, int next_k) {
   const int blocks = N / BLOCK_COLS;
@@ -175,7 +173,7 @@ static void lone_row(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
     __atomic_add_fetch(&done, 1, __ATOMIC_RELAXED);
     if (next)
       ask_for_run(next, next_n / BLOCK_COLS, (int64_t)BLOCK_COLS * next_k * sizeof *next, t, T,
-                  &done, NEXT_MAX);
+                  &done);
   }
 }
 

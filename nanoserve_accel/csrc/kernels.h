@@ -22,15 +22,16 @@ static inline int first_block(int blocks, int t, int T) { return (int)((int64_t)
 
 /* Thread t, done with its run (*done counts the threads done), asks for its run of `next` (the
  * weight the caller multiplies next: `blocks` column blocks of `block_bytes`), 4 KB at a time
- * into L2, until every thread is done or it has asked for `most` bytes. Why: one core of the Zen
+ * into L2, until every thread is done or it has asked for NEXT_MOST bytes. Why: one core of the Zen
  * 5 VM (avx512_bf16) reads ~39 GB/s alone and two ~78, so where a linear's blocks do not split
  * evenly (SmolLM2-135M's 9 and 15) the thread with a block fewer cannot hurry the other, and its
  * wait was memory left idle (figures: dpbf16.c, dot_fp32.c). */
+enum { NEXT_MOST = 256 * 1024 };
 static inline void ask_for_run(const void* next, int blocks, int64_t block_bytes, int t, int T,
-                               int* done, int64_t most) {
+                               int* done) {
   const char* p = (const char*)next + first_block(blocks, t, T) * block_bytes;
   const char* end = (const char*)next + first_block(blocks, t + 1, T) * block_bytes;
-  if (end - p > most) end = p + most;
+  if (end - p > NEXT_MOST) end = p + NEXT_MOST;
   while (p < end && __atomic_load_n(done, __ATOMIC_RELAXED) < T)
     for (int i = 0; i < 4096 && p < end; i += 64, p += 64) __builtin_prefetch(p, 0, 2);
 }

@@ -64,22 +64,22 @@ struct layer {
  * while they wait for each other (kernels.h's ask_for_run). */
 static int gemm(const struct gemm* g, const struct gemm* next, const void* x, void* y, int M,
                 int bf16) {
+  /* asked for only in this GEMM's own layout, the one its thread runs are counted in */
+  if (next && next->kind != g->kind) next = NULL;
+  const void* next_w = next ? next->w : NULL;
+  const int next_n = next ? next->n : 0, next_k = next ? next->k : 0;
   switch (g->kind) {
     case GEMM_PANELS: linear_panels(x, g->w, g->bias, y, g->n, M, g->k, bf16); return 0;
 #ifdef __AVX512F__
     case GEMM_DOT_FP32: linear_dot_fp32(x, g->w, g->bias, y, g->n, M, g->k); return 0;
     case GEMM_DOT_FP32_BLOCKED:
-      if (!next || next->kind != GEMM_DOT_FP32_BLOCKED) next = NULL;
-      linear_fp32_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next ? next->w : NULL,
-                               next ? next->n : 0, next ? next->k : 0);
+      linear_fp32_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next_w, next_n, next_k);
       return 0;
 #endif
 #ifdef __AVX512BF16__
     case GEMM_DPBF16: linear_dpbf16(x, g->w, g->bias, y, g->n, M, g->k); return 0;
     case GEMM_DPBF16_BLOCKED:
-      if (!next || next->kind != GEMM_DPBF16_BLOCKED) next = NULL;
-      linear_dpbf16_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next ? next->w : NULL,
-                                 next ? next->n : 0, next ? next->k : 0);
+      linear_dpbf16_blocked_then(x, g->w, g->bias, y, g->n, M, g->k, next_w, next_n, next_k);
       return 0;
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
