@@ -11,6 +11,7 @@ step's bytes at that rate), and the median of its step over A's, round by round.
 
     cp -r nanoserve_accel/csrc /tmp/b && $EDITOR /tmp/b/dpbf16.c
     python scripts/bench/kernel_ab.py bfloat16 /tmp/b [--model DIR --rows 4 --steps 150]
+    python scripts/bench/kernel_ab.py bfloat16 /tmp/b --repeat 3  # each build 3 steps in a row
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--context", type=int, default=240)
     ap.add_argument("--steps", type=int, default=150, help="rounds: one step of each build")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="steps of a build in a row, the first untimed (2 or more: what a step "
+                         "leaves in the caches for the next counts, as in serving)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     try:
         import nanoserve_accel  # noqa: F401
     except ImportError:
@@ -64,10 +70,11 @@ def main() -> None:
     for i in range(args.steps + 4):  # four warm-up rounds
         for name in names[i % len(names):] + names[:i % len(names)]:
             model.lib, head.gemm = libs[name], getattr(libs[name], head.function)
-            t = time.perf_counter()
-            runner.execute_model(out)
-            if i >= 4:
-                times[name].append(time.perf_counter() - t)
+            for j in range(args.repeat):
+                t = time.perf_counter()
+                runner.execute_model(out)
+                if i >= 4 and (j or args.repeat == 1):
+                    times[name].append(time.perf_counter() - t)
         t = time.perf_counter()
         read.sum()
         if i >= 4:
