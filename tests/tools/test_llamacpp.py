@@ -295,9 +295,13 @@ def test_step_times_help_works():
 def test_kernel_ab_help_works():
     import subprocess
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench/kernel_ab.py"), "--help"],
+    script = str(ROOT / "scripts/bench/kernel_ab.py")
+    out = subprocess.run([sys.executable, script, "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "rotates" in out and "csrc" in out
+    assert "rotates" in out and "csrc" in out and "--repeat" in out
+    bad = subprocess.run([sys.executable, script, "bfloat16", "/nonexistent", "--repeat", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr
 
 
 def test_step_breakdown_times_each_part_on_a_tiny_model():
