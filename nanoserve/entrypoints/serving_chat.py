@@ -25,14 +25,17 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"messages do not fit the chat template: {e}", "messages") from e
 
     def max_tokens_of(self, req: ChatCompletionRequest) -> int | None:
-        return req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        # as vLLM: max_completion_tokens, OpenAI's name now, over the deprecated max_tokens
+        return req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
 
     def num_logprobs_of(self, req: ChatCompletionRequest) -> int | None:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 
-    def wire_name(self, field_name: str | None) -> str | None:
+    def wire_name(self, field_name: str | None, req: ChatCompletionRequest) -> str | None:
+        if field_name == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
         return "top_logprobs" if field_name == "logprobs" else field_name
 
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,

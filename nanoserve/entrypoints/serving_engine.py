@@ -160,7 +160,10 @@ class OpenAIServing:
         except ValueError as e:
             field_name = param_of(str(e), set(type(req).model_fields),
                                   self.endpoint.prompt_field)
-            raise APIError(str(e), self.wire_name(field_name)) from None
+            name, message = self.wire_name(field_name, req), str(e)
+            if field_name and name != field_name and message.startswith(field_name + " "):
+                message = name + message[len(field_name):]  # the field as the client sent it
+            raise APIError(message, name) from None
         prompt = self.endpoint.prompt_of(req)
         num_chars = self.endpoint.num_chars(prompt)
         check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
@@ -172,12 +175,13 @@ class OpenAIServing:
         if max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         elif len(ids) + max_tokens > self.max_model_len:
-            raise APIError(f"max_tokens is {max_tokens}, with the {len(ids)} prompt tokens more "
+            name = self.wire_name("max_tokens", req)
+            raise APIError(f"{name} is {max_tokens}, with the {len(ids)} prompt tokens more "
                            f"than this model's maximum context length ({self.max_model_len})",
-                           "max_tokens")
+                           name)
         return params, ids
 
-    def wire_name(self, field_name: str | None) -> str | None:
+    def wire_name(self, field_name: str | None, req: Any) -> str | None:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""
         return field_name
 

@@ -241,9 +241,24 @@ def test_bad_chat_requests(server):
                         ({"model": "m", "messages": "hi"}, "messages"),
                         ({"model": "m", "messages": [{"role": "user"}]}, "messages"),
                         ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                          "max_completion_tokens": 0}, "max_tokens")]:
+                          "max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 0}, "max_tokens"),
+                        ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_completion_tokens": 10**9}, "max_completion_tokens"),
+                        ({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
         r = post(server, "/v1/chat/completions", json.dumps(body))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert r.json()["error"]["message"].startswith(param), r.text  # the name sent, not ours
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens(server):
+    """As vLLM: OpenAI deprecated max_tokens for chat; a client sending both means the new one."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "ignore_eos": True, "max_tokens": 2, "max_completion_tokens": 3}
+    r = post(server, "/v1/chat/completions", json.dumps(body))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
 def test_vllm_bench_client_fields_are_accepted(server):
