@@ -5,9 +5,9 @@ that names the field and the allowed range."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -75,8 +75,9 @@ class EngineConfig:
                               ("usage_context", USAGE_CONTEXTS),
                               ("torch_compile", (None, True, False))):
             need(getattr(self, name) in allowed, name, f"one of {allowed}")
-        need(self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:"),
-             "device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        gpu = re.fullmatch(r"cuda(?::(\d+))?", str(self.device))  # one that torch sees
+        need(self.device in ("auto", "cpu") or gpu and int(gpu[1] or 0) < torch.cuda.device_count(),
+             "device", "'auto', 'cpu' or a CUDA device torch sees ('cuda', 'cuda:N')")
         need(self.trace_file is None or (isinstance(self.trace_file, str) and self.trace_file),
              "trace_file", "None or a file path")
         # No chunking means none at all: a per-request chunk cap would contradict it.

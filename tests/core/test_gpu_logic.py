@@ -36,6 +36,7 @@ def fake_flash_attn(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", module)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: module.__spec__
                         if name == "flash_attn" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # device="cuda" passes the check
     return lambda cc: monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc)
 
 
@@ -111,6 +112,7 @@ def test_batch_defaults_on_a_gpu_are_vllms(monkeypatch, name, gib, llm, server):
     assert batch_defaults("cuda:1", "server") == server
     hf = types.SimpleNamespace(max_position_embeddings=4096)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(config, "resolve_attention_backend", lambda *a: "torch")
     for usage, expected in (("llm", llm), ("server", server)):
         resolved = resolve_config(EngineConfig(usage_context=usage), hf)

@@ -11,6 +11,9 @@ test, which proves they are raised before any weights are read.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -134,6 +137,9 @@ CONFIG_CASES = [
      r"scheduling_policy must be one of \('fcfs', 'priority'\)"),
     ('attention_backend="triton"', dict(attention_backend="triton"),
      r"attention_backend must be one of \('auto', 'flash-attn', 'torch'\)"),
+    ('device="cuda:99"', dict(device="cuda:99"),
+     r"device must be 'auto', 'cpu' or a CUDA device torch sees .*, got 'cuda:99'"),
+    ('device="tpu"', dict(device="tpu"), r"device must be 'auto', 'cpu' or a CUDA device"),
     ('attention_backend="flash-attn" on CPU', dict(attention_backend="flash-attn", device="cpu"),
      r"attention_backend='flash-attn' cannot be used"),
     # The flag means what it says: no chunking at all, so a per-request chunk cap is a
@@ -270,6 +276,14 @@ def error_table() -> str:
     lines = ["| bad input | error message |", "|---|---|"]
     lines += [f"| {name} | {msg} |" for name, msg in rows]
     return "\n".join(lines)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                    reason="the table's flash-attn row is the message where it is missing")
+def test_the_docs_table_is_the_one_this_file_prints(monkeypatch):
+    """docs/bad-input.md shows error_table(): no message there can drift from the code's."""
+    monkeypatch.setattr(model_runner, "load_model", model_runner.load_model)  # set back after
+    assert error_table() in (Path(__file__).parents[2] / "docs" / "bad-input.md").read_text()
 
 
 if __name__ == "__main__":
