@@ -278,4 +278,13 @@ class LLM(LLMEngine):
                 f"{c.max_num_seqs}, max_num_batched_tokens {c.max_num_batched_tokens}, CUDA "
                 f"graphs {'on' if graphs else 'off'}, torch.compile "
                 f"{'on' if c.torch_compile else 'off'}, fast paths "
-                f"{', '.join(r.fast_paths) or 'none'}")
+                f"{', '.join(r.fast_paths) or 'none'}{self._cache_caps_requests()}")
+
+    def _cache_caps_requests(self) -> str:
+        """Where the whole KV cache holds fewer tokens than max_model_len, what that means (vLLM
+        refuses to start; here a request stops there, finish_reason "length"), else ""."""
+        held = self.model_runner.num_kv_blocks * self.config.block_size
+        if held >= self.config.max_model_len:
+            return ""
+        return (f"; the KV cache holds {held} tokens, fewer than max_model_len "
+                f"{self.config.max_model_len}: a request stops there (finish_reason 'length')")

@@ -190,6 +190,16 @@ def test_boundary_prompts_are_accepted(llm):
     assert len(out.token_ids) == 2
 
 
+def test_a_cache_smaller_than_max_model_len_is_said_at_start(llm):
+    """vLLM refuses such a cache; nanoserve serves it, and its start-up line says what it means."""
+    held = NUM_KV_BLOCKS * BLOCK_SIZE
+    assert llm.describe().endswith(f"; the KV cache holds {held} tokens, fewer than "
+                                   f"max_model_len {MAX_MODEL_LEN}: a request stops there "
+                                   "(finish_reason 'length')")
+    roomy = LLM(tiny_model_dir(), num_kv_blocks=16, block_size=BLOCK_SIZE, max_model_len=held)
+    assert "KV cache holds" not in roomy.describe()
+
+
 def test_integer_like_ids_and_edge_seeds_are_accepted(llm):
     """numpy integers are token ids (prompt and stop_token_ids); the seed range is exact."""
     [expected] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
