@@ -283,8 +283,8 @@ class LLM(LLMEngine):
     def _cache_caps_requests(self) -> str:
         """Where the whole KV cache holds fewer tokens than max_model_len, what that means (vLLM
         refuses to start; here a request stops there, finish_reason "length"), else ""."""
-        held = self.model_runner.num_kv_blocks * self.config.block_size
-        if held >= self.config.max_model_len:
+        held = self.scheduler.max_model_len_in_cache  # the cap the scheduler applies
+        if held == self.config.max_model_len:
             return ""
         return (f"; the KV cache holds {held} tokens, fewer than max_model_len "
                 f"{self.config.max_model_len}: a request stops there (finish_reason 'length')")
