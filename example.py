@@ -40,13 +40,10 @@ def main() -> None:
               trace=args.trace)
     if args.trace_file:
         llm.trace_to(args.trace_file, source="example")
-    prompts = [
-        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                          add_generation_prompt=True)
-        for q in QUESTIONS
-    ]
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    outputs = llm.generate(prompts, params, use_tqdm=not args.trace)  # bar and trace clash
+    # chat(): each conversation through the model's chat template, then generate()
+    outputs = llm.chat(conversations, params, use_tqdm=not args.trace)  # bar and trace clash
     for question, out in zip(QUESTIONS, outputs):
         m = out.metrics
         print(f"\n### {question}\n{out.text.strip()}")

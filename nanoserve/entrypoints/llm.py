@@ -26,10 +26,9 @@ from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
+from nanoserve.entrypoints.prompts import Prompt, chat_prompts, prompt_tokens
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.utils import as_token_id, is_int
-
-Prompt = str | list[int]
 
 
 class LLM(LLMEngine):
@@ -62,22 +61,7 @@ class LLM(LLMEngine):
                        priority: int) -> list[Request]:
         """Validate everything and build the Request (n > 1: its n children); changes no engine
         state."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must have at least 1 token, got ''")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be a list of token ids when skip_tokenizer_init "
-                                 "is True")
-            token_ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, list):  # numpy integers are token ids too, bools are not
-            token_ids, text = [as_token_id(t) for t in prompt], None
-            if None in token_ids:
-                t = prompt[token_ids.index(None)]
-                raise ValueError(f"prompt must be a str or a list of int token ids, got list "
-                                 f"containing {type(t).__name__} {t!r}")
-        else:
-            raise ValueError(f"prompt must be a str or a list of int token ids, "
-                             f"got {type(prompt).__name__}")
+        token_ids, text = prompt_tokens(prompt, self.tokenizer)
         self.check_prompt(token_ids)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got "
@@ -201,12 +185,12 @@ class LLM(LLMEngine):
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for all prompts; outputs come back in input order. Outputs of requests
         added earlier with add_request() that finish meanwhile are kept for the next step()."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a str, a list of token ids or a list of those, "
-                             f"got {type(prompts).__name__}")
+            raise ValueError(f"prompts must be a str, a list of token ids, a prompt dict or a "
+                             f"list of those, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -247,6 +231,18 @@ class LLM(LLMEngine):
             bar.close()
             self._pending += strays
         return [results[request_id] for request_id in mine]
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() on conversations (vLLM's LLM.chat): `messages` is one conversation,
+        [{"role": ..., "content": ...}, ...], or a list of them, each rendered by the model's
+        chat template; one output a conversation, in order."""
+        prompts = chat_prompts(messages, self.tokenizer, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _output(self, req: Request) -> RequestOutput:
         d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)

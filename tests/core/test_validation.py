@@ -1,6 +1,6 @@
 """Input validation: every bad prompt, sampling parameter or engine setting is a
 ValueError that names the field and its allowed range, raised by `add_request`,
-`generate` or `LLM(...)` *before* any engine state changes: no KV block is taken, nothing
+`generate`, `chat` or `LLM(...)` *before* any engine state changes: no KV block is taken, nothing
 is queued, and the engine goes on serving the good requests.
 
 Engine-setting errors are checked with `load_model` replaced by a function that fails the
@@ -59,8 +59,14 @@ REQUEST_CASES = [
     # 32 tokens + 1 generated need 9 blocks of 4; the whole cache has 8.
     (f"prompt of 32 tokens, whole KV cache {NUM_KV_BLOCKS} x {BLOCK_SIZE} tokens",
      lambda llm: llm.add_request([5] * 32), r"num_kv_blocks"),
-    ("prompt is a dict", lambda llm: llm.add_request({"text": "hi"}),
-     r"prompt must be a str or a list of int token ids, got dict"),
+    ("prompt is a dict without 'prompt' or 'prompt_token_ids'",
+     lambda llm: llm.add_request({"text": "hi"}),
+     r"prompt must be a str, a list of int token ids, or a dict with 'prompt' or "
+     r"'prompt_token_ids', got a dict with \['text'\]"),
+    ("prompt_token_ids is a str", lambda llm: llm.add_request({"prompt_token_ids": "5 6"}),
+     r"prompt_token_ids must be a list of int token ids, got str"),
+    ("prompt {'prompt': ''}", lambda llm: llm.add_request({"prompt": ""}),
+     r"prompt must have at least 1 token, got ''"),
     ("prompt is a list of floats", lambda llm: llm.add_request([1.0, 2.0]),
      r"prompt must be a str or a list of int token ids, got list containing float 1\.0"),
     # bools are ints to Python; EngineConfig rejects them, and so does every request field.
@@ -71,7 +77,8 @@ REQUEST_CASES = [
     ("prompt is None (add_request)", lambda llm: llm.add_request(None),
      r"prompt must be a str or a list of int token ids, got NoneType"),
     ("prompts is None (generate)", lambda llm: llm.generate(None, use_tqdm=False),
-     r"prompts must be a str, a list of token ids or a list of those, got NoneType"),
+     r"prompts must be a str, a list of token ids, a prompt dict or a list of those, "
+     r"got NoneType"),
     ("max_tokens=0", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=0)),
      r"max_tokens must be an integer >= 1"),
     ("max_tokens=True", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=True)),
@@ -115,6 +122,23 @@ REQUEST_CASES = [
      r"sampling_params has 1 entries but there are 2 prompts"),
     ("abort(3): request id is not a str", lambda llm: llm.abort(3),
      r"request_id must be a str \(the id add_request returned\), got int 3"),
+    ("chat: messages is a str", lambda llm: llm.chat("hi", use_tqdm=False),
+     r"messages must be a conversation \(a non-empty list of message dicts\) or a list of them, "
+     r"got 'hi'"),
+    ("chat: an empty conversation among good ones",
+     lambda llm: llm.chat([[{"role": "user", "content": "hi"}], []], use_tqdm=False),
+     r"messages must be a conversation"),
+    ("chat: a message without content",
+     lambda llm: llm.chat([{"role": "user"}], use_tqdm=False),
+     r"messages must each have a string role and a text content, got \{'role': 'user'\}"),
+    ("chat: continue_final_message with add_generation_prompt",
+     lambda llm: llm.chat([{"role": "user", "content": "hi"}], continue_final_message=True,
+                          use_tqdm=False),
+     r"continue_final_message must be False when add_generation_prompt is True"),
+    ("chat: chat_template_kwargs is a list",
+     lambda llm: llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs=["x"],
+                          use_tqdm=False),
+     r"chat_template_kwargs must be a dict or None, got list"),
     ("one bad prompt among good ones (generate)",
      lambda llm: llm.generate(["hello", [5, VOCAB_SIZE], "world"], GREEDY, use_tqdm=False),
      rf"token ids must be in \[0, {VOCAB_SIZE}\)"),

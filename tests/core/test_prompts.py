@@ -1,0 +1,75 @@
+"""What LLM.generate and LLM.chat take as a prompt (entrypoints/prompts.py): text, token ids,
+vLLM's prompt dicts, conversations through the chat template; each form the same request as the
+token ids it stands for. Bad prompts: test_validation.py."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanoserve import LLM, SamplingParams
+from tests.common.tiny_model import tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a colour."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(tiny_model_dir(), num_kv_blocks=64, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+def template_ids(tokenizer, conversation, **kwargs) -> list[int]:
+    return tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
+                                         **{"add_generation_prompt": True, **kwargs})
+
+
+def test_chat_is_generate_on_the_templates_token_ids(llm, tokenizer):
+    ids = [template_ids(tokenizer, c) for c in CONVERSATIONS]
+    expected = llm.generate(ids, GREEDY, use_tqdm=False)
+    outputs = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == ids  # in order, special tokens once
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert outputs[0].prompt == tokenizer.apply_chat_template(
+        CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
+    # one conversation alone is one output; content as OpenAI's text parts is the same text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    [one] = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == ids[0] and one.token_ids == expected[0].token_ids
+
+
+def test_chat_continues_the_final_message(llm, tokenizer):
+    conversation = [*CONVERSATIONS[0], {"role": "assistant", "content": "The capital is"}]
+    [out] = llm.chat(conversation, GREEDY, add_generation_prompt=False,
+                     continue_final_message=True, use_tqdm=False)
+    assert out.prompt.endswith("The capital is")
+    assert out.prompt_token_ids == template_ids(tokenizer, conversation,
+                                                add_generation_prompt=False,
+                                                continue_final_message=True)
+    [plain] = llm.chat(CONVERSATIONS[0], GREEDY, add_generation_prompt=False, use_tqdm=False)
+    assert not plain.prompt.endswith("assistant\n")
+
+
+def test_prompt_dicts_are_the_prompts_they_hold(llm):
+    text, ids = "The quick brown fox", [3, 1, 4, 1, 5, 9]
+    expected = [o.token_ids for o in llm.generate([text, ids], GREEDY, use_tqdm=False)]
+    dicts = [{"prompt": text}, {"prompt_token_ids": ids}]
+    assert [o.token_ids for o in llm.generate(dicts, GREEDY, use_tqdm=False)] == expected
+    [alone] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert alone.token_ids == expected[1] and alone.prompt is None
+    request_id = llm.add_request({"prompt": text}, GREEDY)
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert [(o.request_id, o.prompt, o.token_ids) for o in outputs] == \
+        [(request_id, text, expected[0])]
