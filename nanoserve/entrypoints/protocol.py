@@ -69,6 +69,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # the chat template's options, as vLLM takes them
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
@@ -109,12 +112,17 @@ def completion_chars(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def chat_prompt(req: ChatCompletionRequest) -> list[dict]:
-    return [chat_message(m) for m in req.messages]
+def chat_prompt(req: ChatCompletionRequest) -> dict:
+    """The messages (checked here, on the event loop) and the chat template's options:
+    prompts.chat_prompts' arguments."""
+    return {"messages": [chat_message(m) for m in req.messages],
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+            "chat_template_kwargs": req.chat_template_kwargs}
 
 
-def chat_chars(messages: list[dict]) -> int:
-    return sum(len(m["content"]) for m in messages)
+def chat_chars(prompt: dict) -> int:
+    return sum(len(m["content"]) for m in prompt["messages"])
 
 
 def sse(data: dict) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest
+from nanoserve.entrypoints.prompts import chat_prompts
+from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
@@ -17,12 +18,14 @@ class OpenAIServingChat(OpenAIServing):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def tokenize(self, tokenizer: Any, messages: Any) -> list[int]:
+    def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
+        """As LLM.chat renders a conversation (the template's options from the request)."""
         try:
-            return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as e:  # a template error: the messages do not fit it
-            raise APIError(f"messages do not fit the chat template: {e}", "messages") from e
+            [rendered] = chat_prompts(tokenizer=tokenizer, **prompt)
+        except ValueError as e:  # messages that do not fit the template, or its options
+            raise APIError(str(e), param_of(str(e), set(ChatCompletionRequest.model_fields),
+                                            "messages") or "messages") from None
+        return rendered["prompt_token_ids"]
 
     def max_tokens_of(self, req: ChatCompletionRequest) -> int | None:
         # as vLLM: max_completion_tokens, OpenAI's name now, over the deprecated max_tokens

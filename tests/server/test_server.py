@@ -89,6 +89,27 @@ def test_chat_equals_generate_on_the_chat_template(server, ref_llm):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
 
 
+def test_chat_template_options_as_llm_chat(server, ref_llm):
+    """vLLM's add_generation_prompt / continue_final_message / chat_template_kwargs: the server
+    renders the messages as LLM.chat does."""
+    messages = [{"role": "user", "content": "Tell me about Hanoi"},
+                {"role": "assistant", "content": "Hanoi is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"unused": 1}}
+    [ref] = ref_llm.chat(messages, greedy(8), use_tqdm=False, **options)
+    out = server.client().chat.completions.create(
+        model="m", messages=messages, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, **options})
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert ref.prompt.endswith("Hanoi is")  # continued, not closed
+    for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs")]:
+        body = {"model": "m", "messages": messages, **extra}
+        r = post(server, "/v1/chat/completions", json.dumps(body))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_models_health_metrics(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == ["m"]
