@@ -126,8 +126,8 @@ def first_refusal(raw: bytes, endpoint: Endpoint, longest: int,
     """What the server would refuse the body for, of the checks that grow with it."""
     try:
         req = check_request(parse_json(raw), endpoint)
-        check_prompt_length(endpoint, endpoint.num_chars(endpoint.prompt_of(req)), longest,
-                            max_model_len)
+        for prompt in endpoint.prompts_of(req):
+            check_prompt_length(endpoint, endpoint.num_chars(prompt), longest, max_model_len)
     except APIError as e:
         return e
     except Exception:  # not ours to answer: the server's own checks will

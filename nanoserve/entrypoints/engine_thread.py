@@ -34,9 +34,9 @@ class ShuttingDown(Exception):
 class Collector:
     """One request's outputs, kept on the event loop until its handler reads them."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: asyncio.Event | None = None) -> None:
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.ready = asyncio.Event()
+        self.ready = ready or asyncio.Event()  # shared by a batch's prompts (serving_engine.py)
         self.outputs: list[RequestOutput] = []
         self.request_id: str | None = None  # the engine's id: read and written there only
 

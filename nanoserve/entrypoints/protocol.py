@@ -1,6 +1,6 @@
 """The wire side of the server: vLLM's request fields and defaults (entrypoints/openai/protocol.py),
-its error shape, its prompts' forms (a completion's one prompt, chat messages) and its
-server-sent events."""
+its error shape, its prompts' forms (a completion's prompt or batch of them, chat messages) and
+its server-sent events."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no limit)
 
 
 class APIError(Exception):
@@ -97,28 +99,28 @@ def chat_message(message: dict) -> dict:
     return {**message, "role": role, "content": content}
 
 
-def completion_prompt(req: CompletionRequest) -> Any:
-    """The one prompt of a completion request: text or token ids (a batch is a 400)."""
+def completion_prompts(req: CompletionRequest) -> list:
+    """A completion request's prompts: one text or token-id list, or a batch of them."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(f"prompt must be one prompt (batches are not supported), got "
-                           f"{len(prompt)}", "prompt")
-        prompt = prompt[0]
-    return prompt
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(f"prompt must be at most {MAX_PROMPTS} prompts, got {len(prompt)}",
+                           "prompt")
+        return prompt
+    return [prompt]
 
 
 def completion_chars(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def chat_prompt(req: ChatCompletionRequest) -> dict:
-    """The messages (checked here, on the event loop) and the chat template's options:
-    prompts.chat_prompts' arguments."""
-    return {"messages": [chat_message(m) for m in req.messages],
+def chat_prompt(req: ChatCompletionRequest) -> list[dict]:
+    """The one prompt of a chat request: the messages (checked here, on the event loop) and the
+    chat template's options, prompts.chat_prompts' arguments."""
+    return [{"messages": [chat_message(m) for m in req.messages],
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
-            "chat_template_kwargs": req.chat_template_kwargs}
+            "chat_template_kwargs": req.chat_template_kwargs}]
 
 
 def chat_chars(prompt: dict) -> int:

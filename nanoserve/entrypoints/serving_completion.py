@@ -12,7 +12,7 @@ from nanoserve.layers.sampler import Logprob
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    endpoint = COMPLETION  # the prompt: text or token ids, or a list of one (protocol.py)
+    endpoint = COMPLETION  # the prompt: text or token ids, or a batch of those (protocol.py)
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 

@@ -1,13 +1,16 @@
 """§3-§4 served: what the completions and chat endpoints share (vLLM's OpenAIServing). A request
 is checked, tokenized on the tokenizer thread, handed to the engine thread, and answered whole or
-as server-sent events; `n` completions come back as choices 0..n-1. A client that disconnects,
-streaming or not, aborts its request: its KV blocks are free at the next step. The subclasses
+as server-sent events; `n` completions come back as choices 0..n-1 (a completions batch: those of
+prompt i as i * n ...). A client that disconnects, streaming or not, aborts its requests: their KV
+blocks are free at the next step. The subclasses
 (serving_completion.py, serving_chat.py) say only what differs: the prompt and the shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +49,31 @@ class Choice:
         self.num_tokens += len(c.token_ids)
         self.logprobs += c.logprobs or []
         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class Batch:
+    """The engine requests of one HTTP request (a completions batch; else one), read as one: their
+    collectors share a `ready` event, so the handler wakes for whichever has outputs."""
+
+    def __init__(self, num_prompts: int) -> None:
+        self.ready = asyncio.Event()
+        self.collectors = [Collector(self.ready) for _ in range(num_prompts)]
+
+    async def outputs(self, n: int) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Each completion's outputs as they come, with its choice index (vLLM's: prompt i's
+        completion j is i * n + j), until every request has finished."""
+        live = set(range(len(self.collectors)))
+        while live:
+            await self.ready.wait()
+            self.ready.clear()
+            for i in sorted(live):
+                collector = self.collectors[i]
+                outputs, collector.outputs = collector.outputs, []
+                for output in outputs:
+                    for c in output.outputs:
+                        yield i * n + c.index, c
+                    if output.finished:
+                        live.discard(i)
 
 
 class OpenAIServing:
@@ -89,43 +117,50 @@ class OpenAIServing:
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
         req = check_request(body, self.endpoint)
-        params, prompt_ids = await self.to_engine_input(req)
-        collector, streaming = Collector(), False
-        self.engine.add(collector, prompt_ids, params)
+        inputs = [await self.to_engine_input(req, p) for p in self.endpoint.prompts_of(req)]
+        batch, streaming = Batch(len(inputs)), False
+        for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
+            self.engine.add(collector, prompt_ids, params)
+        num_prompt, num_choices = sum(len(ids) for _, ids in inputs), len(inputs) * req.n
         try:
-            if (error := await collector.accepted) is not None:
-                if isinstance(error, ShuttingDown):
-                    raise APIError("the server is shutting down", None, 503)
-                if not isinstance(error, ValueError):
-                    raise APIError(f"the engine failed to add the request: {error!r}", None, 500)
-                fields = set(self.endpoint.request_model.model_fields)
-                raise APIError(str(error), param_of(str(error), fields,
-                                                    self.endpoint.prompt_field))
+            for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
+                if (error := await collector.accepted) is not None:
+                    raise self.refusal(error)
             head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                     "created": int(time.time()), "model": self.model_name}
             if req.stream:
                 usage = req.stream_options is not None and req.stream_options.include_usage
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(collector, head, req.n, len(prompt_ids), usage, params.logprobs),
+                    self.stream(batch, head, num_choices, req.n, num_prompt, usage,
+                                params.logprobs),
                     media_type="text/event-stream",
-                    background=BackgroundTask(self.engine.abort, collector))
-            choices = [Choice() for _ in range(req.n)]
-            finished = False
-            while not finished:
-                for output in await collector.get():
-                    for c in output.outputs:
-                        choices[c.index].add(c)
-                    finished = output.finished
+                    background=BackgroundTask(self.abort, batch))
+            choices = [Choice() for _ in range(num_choices)]
+            async for index, c in batch.outputs(req.n):
+                choices[index].add(c)
         finally:
             if not streaming:  # a no-op once finished; else the client is gone
-                self.engine.abort(collector)
+                self.abort(batch)
         if any(c.finish_reason == "abort" for c in choices):  # not the client: it is here
             raise self.aborted()
         answer = [self.choice(i, c, "".join(c.texts), self.logprobs_or_none(
             c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
         return JSONResponse({**head, "choices": answer, "usage": usage_of(
-            len(prompt_ids), sum(c.num_tokens for c in choices))})
+            num_prompt, sum(c.num_tokens for c in choices))})
+
+    def refusal(self, error: BaseException) -> APIError:
+        """What the engine thread's add raised, as the client's error."""
+        if isinstance(error, ShuttingDown):
+            return APIError("the server is shutting down", None, 503)
+        if not isinstance(error, ValueError):
+            return APIError(f"the engine failed to add the request: {error!r}", None, 500)
+        fields = set(self.endpoint.request_model.model_fields)
+        return APIError(str(error), param_of(str(error), fields, self.endpoint.prompt_field))
+
+    def abort(self, batch: Batch) -> None:
+        for collector in batch.collectors:  # a no-op for one finished or never accepted
+            self.engine.abort(collector)
 
     def aborted(self) -> APIError:
         """Why a request the client still waits for was aborted: shutdown, or a failed step."""
@@ -136,7 +171,7 @@ class OpenAIServing:
     def logprobs_or_none(self, entries: list, offset: int, num: int | None) -> dict | None:
         return None if num is None else self.logprobs(entries, offset, num)
 
-    async def to_engine_input(self, req: Any) -> tuple[SamplingParams, list[int]]:
+    async def to_engine_input(self, req: Any, prompt: Any) -> tuple[SamplingParams, list[int]]:
         """Every check that costs little first, on the event loop; then the tokenizer."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
@@ -164,7 +199,6 @@ class OpenAIServing:
             if field_name and name != field_name and message.startswith(field_name + " "):
                 message = name + message[len(field_name):]  # the field as the client sent it
             raise APIError(message, name) from None
-        prompt = self.endpoint.prompt_of(req)
         num_chars = self.endpoint.num_chars(prompt)
         check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
         ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
@@ -185,26 +219,23 @@ class OpenAIServing:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""
         return field_name
 
-    async def stream(self, collector: Collector, head: dict, n: int, num_prompt: int,
+    async def stream(self, batch: Batch, head: dict, num_choices: int, n: int, num_prompt: int,
                      include_usage: bool, num_logprobs: int | None):
         """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
-        choices, finished = [Choice() for _ in range(n)], False
+        choices = [Choice() for _ in range(num_choices)]
         head = {**head, "object": self.chunk_object}
         try:
-            for chunk in self.first_chunks(head, n):
+            for chunk in self.first_chunks(head, num_choices):
                 yield sse(chunk)
-            while not finished:
-                for output in await collector.get():
-                    finished = output.finished
-                    for c in output.outputs:
-                        choice, start = choices[c.index], len(choices[c.index].logprobs)
-                        choice.add(c)
-                        if c.text or c.token_ids or c.finish_reason:
-                            logprobs = self.logprobs_or_none(choice.logprobs[start:],
-                                                             choice.num_chars, num_logprobs)
-                            yield sse({**head, "choices": [
-                                self.choice(c.index, choice, c.text, logprobs, delta=True)]})
-                            choice.num_chars += len(c.text)
+            async for index, c in batch.outputs(n):
+                choice, start = choices[index], len(choices[index].logprobs)
+                choice.add(c)
+                if c.text or c.token_ids or c.finish_reason:
+                    logprobs = self.logprobs_or_none(choice.logprobs[start:], choice.num_chars,
+                                                     num_logprobs)
+                    yield sse({**head, "choices": [
+                        self.choice(index, choice, c.text, logprobs, delta=True)]})
+                    choice.num_chars += len(c.text)
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
@@ -213,4 +244,4 @@ class OpenAIServing:
                     num_prompt, sum(c.num_tokens for c in choices))})
             yield "data: [DONE]\n\n"
         finally:
-            self.engine.abort(collector)
+            self.abort(batch)

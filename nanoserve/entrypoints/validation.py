@@ -32,7 +32,7 @@ from nanoserve.entrypoints.protocol import (
     chat_chars,
     chat_prompt,
     completion_chars,
-    completion_prompt,
+    completion_prompts,
 )
 
 MAX_DEPTH = 32  # JSON nesting: a chat message with content parts needs 5
@@ -62,11 +62,11 @@ class Endpoint:
     request_model: type[BaseModel]
     prompt_field: str  # the request's field that holds the prompt
     no_op: dict[str, tuple]  # fields nanoserve cannot honour, and their values that change nothing
-    prompt_of: Callable[[Any], Any]  # the request's prompt, as the tokenizer takes it
+    prompts_of: Callable[[Any], list]  # the request's prompts, each as the tokenizer takes it
     num_chars: Callable[[Any], int]  # the characters of its text (0 for token ids)
 
 
-COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_prompt,
+COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_prompts,
                       completion_chars)
 CHAT = Endpoint(ChatCompletionRequest, "messages", NO_OP_CHAT, chat_prompt, chat_chars)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can make a surrogate

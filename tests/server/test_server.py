@@ -110,6 +110,42 @@ def test_chat_template_options_as_llm_chat(server, ref_llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_a_batch_of_prompts_is_each_prompts_completions(server, ref_llm):
+    """vLLM's (and OpenAI's) batch: prompt i's completion j is choice i * n + j, the usage sums
+    the prompts; streamed, the same texts; one prompt refused by the engine refuses the batch,
+    and a disconnect aborts every prompt's request."""
+    prompts = ["The quick brown fox", "Hello", "A"]
+    refs = [o.text for o in ref_llm.generate(prompts, greedy(6), use_tqdm=False)]
+    num_prompt = sum(len(ref_llm.tokenizer.encode(p)) for p in prompts)
+    client = server.client()
+    out = client.completions.create(model="m", prompt=prompts, n=2, max_tokens=6,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [(c.index, c.text) for c in out.choices] == [(i, refs[i // 2]) for i in range(6)]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, 36)
+    texts = {}
+    for chunk in client.completions.create(model="m", prompt=prompts, n=2, max_tokens=6,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: refs[i // 2] for i in range(6)}
+    server.wait_idle()
+    before = aborted(server)
+    body = {**GOOD, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": MAX_MODEL_LEN - 10,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.base + "/v1/completions",
+                                                 json=body) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(6))  # then leave
+    server.wait_idle()
+    assert aborted(server) == before + 2
+    body = {**body, "prompt": [[5, 6, 7], [5, VOCAB_SIZE]], "stream": False}
+    r = post(server, "/v1/completions", json.dumps(body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    server.wait_idle()  # the accepted prompt's request was aborted, not left running
+    assert aborted(server) == before + 3
+
+
 def test_models_health_metrics(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == ["m"]
@@ -224,7 +260,8 @@ BAD = [  # (change to GOOD, status, param)
     ({"prompt": [5, VOCAB_SIZE]}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [[5, 6], [5, VOCAB_SIZE]]}, 400, "prompt"),  # one bad prompt of a batch
+    ({"prompt": ["a"] * 129}, 400, "prompt"),  # a batch over MAX_PROMPTS
     ({"prompt": None}, 400, "prompt"),
     ({"stop": [""]}, 400, "stop"),
     ({"seed": -1}, 400, "seed"),
