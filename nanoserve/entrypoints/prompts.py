@@ -26,6 +26,9 @@ def prompt_tokens(prompt: Prompt, tokenizer: Any) -> tuple[list[int], str | None
             if not isinstance(prompt, list):
                 raise ValueError(f"prompt_token_ids must be a list of int token ids, got "
                                  f"{type(prompt).__name__}")
+            if not isinstance(text, (str, type(None))):
+                raise ValueError(f"prompt beside prompt_token_ids must be a str (the text they "
+                                 f"were made from), got {type(text).__name__}")
         else:
             raise ValueError(f"prompt must be a str, a list of int token ids, or a dict with "
                              f"'prompt' or 'prompt_token_ids', got a dict with {sorted(keys)}")
