@@ -73,8 +73,9 @@ class EngineThread:
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
         self.thread.start()
 
-    def add(self, collector: Collector, prompt: list[int], params: SamplingParams) -> None:
-        self.inbox.put(("add", collector, prompt, params))
+    def add(self, collector: Collector, prompt: list[int], params: SamplingParams,
+            priority: int = 0) -> None:
+        self.inbox.put(("add", collector, prompt, params, priority))
 
     def abort(self, collector: Collector) -> None:
         self.inbox.put(("abort", collector))

@@ -56,6 +56,7 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     repetition_penalty: float | None = None  # only "none" (1.0, 0.0) is supported
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    priority: int = 0  # --scheduling-policy priority: smaller is served first (vLLM's field)
 
 
 class CompletionRequest(SamplingRequest):

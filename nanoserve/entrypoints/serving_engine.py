@@ -120,7 +120,7 @@ class OpenAIServing:
         inputs = [await self.to_engine_input(req, p) for p in self.endpoint.prompts_of(req)]
         batch, streaming = Batch(len(inputs)), False
         for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
-            self.engine.add(collector, prompt_ids, params)
+            self.engine.add(collector, prompt_ids, params, req.priority)
         num_prompt, num_choices = sum(len(ids) for _, ids in inputs), len(inputs) * req.n
         try:
             for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
@@ -182,6 +182,9 @@ class OpenAIServing:
             if not ok:
                 raise APIError(f"{name} is not supported by nanoserve, got "
                                f"{getattr(req, name)!r}", name)
+        if req.priority != 0 and self.engine.llm.config.scheduling_policy != "priority":
+            raise APIError(f"priority must be 0 unless the server runs --scheduling-policy "
+                           f"priority (vLLM's rule), got {req.priority}", "priority")
         max_tokens = self.max_tokens_of(req)
         try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
             params = SamplingParams(

@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -146,6 +147,35 @@ def test_a_batch_of_prompts_is_each_prompts_completions(server, ref_llm):
     assert aborted(server) == before + 3
 
 
+def test_priority_orders_the_waiting_requests():
+    """--scheduling-policy priority: a request's `priority` (vLLM's field, smaller first) orders
+    the waiting queue (§6.1). One seat: A runs; B (priority 5) then C (-1) wait; C runs next."""
+    flags = [*TINY_FLAGS, "--scheduling-policy", "priority", "--max-num-seqs", "1"]
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), flags)
+    try:
+        done: list[str] = []
+
+        def send(name: str, priority: int, max_tokens: int) -> None:
+            body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "priority": priority}
+            r = httpx.post(s.base + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        threads = []
+        for name, priority, max_tokens, waiting in [("A", 0, 1500, 0), ("B", 5, 4, 1),
+                                                    ("C", -1, 4, 2)]:
+            threads.append(threading.Thread(target=send, args=(name, priority, max_tokens)))
+            threads[-1].start()
+            s.wait_until(lambda m, w=waiting: (m["nanoserve:num_requests_running"],
+                                               m["nanoserve:num_requests_waiting"]) == (1, w))
+        for t in threads:
+            t.join(120)
+        assert done == ["A", "C", "B"]
+    finally:
+        s.stop()
+
+
 def test_models_health_metrics(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == ["m"]
@@ -265,6 +295,8 @@ BAD = [  # (change to GOOD, status, param)
     ({"prompt": None}, 400, "prompt"),
     ({"stop": [""]}, 400, "stop"),
     ({"seed": -1}, 400, "seed"),
+    ({"priority": 1}, 400, "priority"),  # this server schedules fcfs
+    ({"priority": "1"}, 400, "priority"),
 ]
 
 
