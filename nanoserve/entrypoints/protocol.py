@@ -11,7 +11,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no limit)
+MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no limit), and
+# completions in one (prompts x n): one small body may not queue more requests than n alone could
 
 
 class APIError(Exception):
@@ -107,6 +108,10 @@ def completion_prompts(req: CompletionRequest) -> list:
         if len(prompt) > MAX_PROMPTS:
             raise APIError(f"prompt must be at most {MAX_PROMPTS} prompts, got {len(prompt)}",
                            "prompt")
+        if len(prompt) * req.n > MAX_PROMPTS:
+            raise APIError(f"n must be at most {MAX_PROMPTS // len(prompt)} for a batch of "
+                           f"{len(prompt)} prompts ({MAX_PROMPTS} completions a request), got "
+                           f"{req.n}", "n")
         return prompt
     return [prompt]
 

@@ -292,6 +292,7 @@ BAD = [  # (change to GOOD, status, param)
     ({"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),
     ({"prompt": [[5, 6], [5, VOCAB_SIZE]]}, 400, "prompt"),  # one bad prompt of a batch
     ({"prompt": ["a"] * 129}, 400, "prompt"),  # a batch over MAX_PROMPTS
+    ({"prompt": ["a"] * 3, "n": 43}, 400, "n"),  # 129 completions
     ({"prompt": None}, 400, "prompt"),
     ({"stop": [""]}, 400, "stop"),
     ({"seed": -1}, 400, "seed"),
