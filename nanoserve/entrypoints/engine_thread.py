@@ -44,10 +44,8 @@ class Collector:
         self.outputs.append(output)
         self.ready.set()
 
-    async def get(self) -> list[RequestOutput]:
-        """Every output since the last get() (at least one)."""
-        await self.ready.wait()
-        self.ready.clear()
+    def take(self) -> list[RequestOutput]:
+        """Every output since the last take() (the handler waits on `ready` first)."""
         outputs, self.outputs = self.outputs, []
         return outputs
 

@@ -8,6 +8,7 @@ blocks are free at the next step. The subclasses
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -67,9 +68,7 @@ class Batch:
             await self.ready.wait()
             self.ready.clear()
             for i in sorted(live):
-                collector = self.collectors[i]
-                outputs, collector.outputs = collector.outputs, []
-                for output in outputs:
+                for output in self.collectors[i].take():
                     for c in output.outputs:
                         yield i * n + c.index, c
                     if output.finished:
@@ -117,7 +116,7 @@ class OpenAIServing:
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
         req = check_request(body, self.endpoint)
-        inputs = [await self.to_engine_input(req, p) for p in self.endpoint.prompts_of(req)]
+        inputs = await self.to_engine_inputs(req)
         batch, streaming = Batch(len(inputs)), False
         for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
             self.engine.add(collector, prompt_ids, params, req.priority)
@@ -171,8 +170,9 @@ class OpenAIServing:
     def logprobs_or_none(self, entries: list, offset: int, num: int | None) -> dict | None:
         return None if num is None else self.logprobs(entries, offset, num)
 
-    async def to_engine_input(self, req: Any, prompt: Any) -> tuple[SamplingParams, list[int]]:
-        """Every check that costs little first, on the event loop; then the tokenizer."""
+    async def to_engine_inputs(self, req: Any) -> list[tuple[SamplingParams, list[int]]]:
+        """Each prompt's params and token ids. Every check that costs little first, on the event
+        loop (the request's fields once, each prompt's length); then the tokenizer."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
         for name, ok in (("echo", not getattr(req, "echo", False)),
@@ -202,21 +202,24 @@ class OpenAIServing:
             if field_name and name != field_name and message.startswith(field_name + " "):
                 message = name + message[len(field_name):]  # the field as the client sent it
             raise APIError(message, name) from None
-        num_chars = self.endpoint.num_chars(prompt)
-        check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
-        ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
-        if len(ids) >= self.max_model_len:
-            raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this model's "
-                           f"maximum context length is {self.max_model_len} tokens",
-                           self.endpoint.prompt_field)
-        if max_tokens is None:
-            params.max_tokens = self.max_model_len - len(ids)
-        elif len(ids) + max_tokens > self.max_model_len:
-            name = self.wire_name("max_tokens", req)
-            raise APIError(f"{name} is {max_tokens}, with the {len(ids)} prompt tokens more "
-                           f"than this model's maximum context length ({self.max_model_len})",
-                           name)
-        return params, ids
+        prompts = [(p, self.endpoint.num_chars(p)) for p in self.endpoint.prompts_of(req)]
+        for _, num_chars in prompts:
+            check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
+        inputs = []
+        for prompt, num_chars in prompts:
+            ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
+            if len(ids) >= self.max_model_len:
+                raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this "
+                               f"model's maximum context length is {self.max_model_len} tokens",
+                               self.endpoint.prompt_field)
+            if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+                name = self.wire_name("max_tokens", req)
+                raise APIError(f"{name} is {max_tokens}, with the {len(ids)} prompt tokens more "
+                               f"than this model's maximum context length "
+                               f"({self.max_model_len})", name)
+            inputs.append((params if max_tokens is not None else dataclasses.replace(
+                params, max_tokens=self.max_model_len - len(ids)), ids))
+        return inputs
 
     def wire_name(self, field_name: str | None, req: Any) -> str | None:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""

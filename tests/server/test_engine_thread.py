@@ -41,7 +41,9 @@ def test_the_llm_is_built_and_stepped_on_the_engine_thread():
         assert await asyncio.wait_for(collector.accepted, 30) is None  # no error
         ids: list[int] = []
         for _ in range(10):  # deltas or one final output: bounded either way
-            outputs = await asyncio.wait_for(collector.get(), 30)
+            await asyncio.wait_for(collector.ready.wait(), 30)
+            collector.ready.clear()
+            outputs = collector.take()
             ids += [t for out in outputs for t in out.token_ids]
             if outputs[-1].finished:
                 return ids
