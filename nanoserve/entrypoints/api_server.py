@@ -2,19 +2,20 @@
 forward, process, repeat"), with requests that really arrive while others run; the layout is
 vLLM's entrypoints/openai: this file (the app), cli_args.py (the flags), protocol.py (the wire)
 and validation.py (its checks), one serving class per endpoint (serving_completion.py,
-serving_chat.py, sharing serving_engine.py), the engine thread that owns the `LLM`
-(engine_thread.py), the HTTP layer's limits under it all (http_limits.py), and the helper
-process that checks big bodies first (body_checker.py).
+serving_chat.py, sharing serving_engine.py; serving_tokenization.py), the engine thread that
+owns the `LLM` (engine_thread.py), the uvicorn server and its shutdown (launcher.py), the HTTP
+layer's limits under it all (http_limits.py), and the helper process that checks big bodies
+first (body_checker.py).
 
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 
-Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are {"error": {"message",
-"type", "param", "code"}}: 400 for a bad value (param names the field), 404 for an unknown
-model, 401 without the --api-key. Prompts are tokenized on tokenizer threads; the event
-loop only parses and writes JSON, and a body of 64 KiB or more it parses only once the helper
-found nothing to refuse in it. Unknown fields are ignored, as in vLLM; fields nanoserve cannot
-honour are a 400 (validation.py)."""
+Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+/detokenize, /health, /metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are
+{"error": {"message", "type", "param", "code"}}: 400 for a bad value (param names the field),
+404 for an unknown model, 401 without the --api-key. Prompts are tokenized on tokenizer threads;
+the event loop only parses and writes JSON, and a body of 64 KiB or more it parses only once the
+helper found nothing to refuse in it. Unknown fields are ignored, as in vLLM; fields nanoserve
+cannot honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import asyncio
 import contextlib
 import hmac
 import os
-import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import prometheus_client as prom
 import uvicorn
@@ -37,12 +38,21 @@ from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.cli_args import engine_threads, http_limits, parse_args
 from nanoserve.entrypoints.engine_thread import EngineThread
+from nanoserve.entrypoints.launcher import UvicornServer
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
-from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
-from nanoserve.entrypoints.validation import longest_token, parse_json
+from nanoserve.entrypoints.validation import (
+    CHAT,
+    COMPLETION,
+    DETOKENIZE,
+    TOKENIZE,
+    Endpoint,
+    longest_token,
+    parse_json,
+)
 
 
 class Server:
@@ -56,13 +66,18 @@ class Server:
         longest = longest_token(self.llm.tokenizer)
         self.completion = OpenAIServingCompletion(engine, model_name, self.tokenizers, longest)
         self.chat = OpenAIServingChat(engine, model_name, self.tokenizers, longest)
+        self.tokenization = OpenAIServingTokenization(model_name, self.tokenizers,
+                                                      self.max_model_len, len(self.llm.tokenizer))
         self.bodies = BodyChecker(longest, self.max_model_len)
         self.app = FastAPI(lifespan=self.lifespan)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
         self.app.get("/v1/models")(self.models)
-        self.app.post("/v1/completions")(self.completions)
-        self.app.post("/v1/chat/completions")(self.chat_completions)
+        for path, endpoint, answer in (("/v1/completions", COMPLETION, self.completion.create),
+                                       ("/v1/chat/completions", CHAT, self.chat.create),
+                                       ("/tokenize", TOKENIZE, self.tokenization.tokenize),
+                                       ("/detokenize", DETOKENIZE, self.tokenization.detokenize)):
+            self.app.post(path)(self.route(endpoint, answer))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -99,22 +114,22 @@ class Server:
             "owned_by": "nanoserve", "root": self.llm.model_dir, "parent": None,
             "max_model_len": self.max_model_len}]})
 
-    async def completions(self, request: Request) -> Response:
-        return await self.serve(request, self.completion)
+    def route(self, endpoint: Endpoint, answer: Callable[[dict], Awaitable[Response]]):
+        async def handler(request: Request) -> Response:
+            return await self.serve(request, endpoint, answer)
+        return handler
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self.serve(request, self.chat)
-
-    async def serve(self, request: Request, serving: OpenAIServing) -> Response:
-        """Read the body, let `serving` answer; a disconnect before the answer aborts it."""
+    async def serve(self, request: Request, endpoint: Endpoint,
+                    answer: Callable[[dict], Awaitable[Response]]) -> Response:
+        """Read the body, let `answer` answer; a disconnect before the answer aborts it."""
         try:
             if self.draining:
                 raise APIError("the server is shutting down", None, 503)
             self.authorize(request)
-            body = await self.read_body(request, serving)
+            body = await self.read_body(request, endpoint)
         except APIError as e:
             return e.response()
-        work = asyncio.ensure_future(serving.create(body))
+        work = asyncio.ensure_future(answer(body))
         disconnect = asyncio.ensure_future(_disconnected(request))  # the body is read: safe
         await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
         disconnect.cancel()
@@ -128,7 +143,7 @@ class Server:
         except APIError as e:
             return e.response()
 
-    async def read_body(self, request: Request, serving: OpenAIServing) -> dict:
+    async def read_body(self, request: Request, endpoint: Endpoint) -> dict:
         """At most max_body_bytes, also without a Content-Length (a chunked upload); a big one
         parsed only if the body checker accepts it."""
         too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
@@ -146,7 +161,7 @@ class Server:
             raise APIError("the client disconnected", None, 499) from None
         raw = b"".join(chunks)
         if len(raw) >= BIG_BYTES and (
-                refusal := await self.bodies.refusal(raw, serving.endpoint)) is not None:
+                refusal := await self.bodies.refusal(raw, endpoint)) is not None:
             raise refusal
         return parse_json(raw)
 
@@ -157,48 +172,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class UvicornServer(uvicorn.Server):
-    """uvicorn's server, with nanoserve's end: when --shutdown-timeout passes, the engine
-    aborts what still runs, so every handler answers (a JSON 503, or an error event and
-    [DONE]) instead of uvicorn cancelling it mid-response; uvicorn's own cancel comes only
-    GRACE seconds later."""
-
-    GRACE = 5.0
-
-    def __init__(self, config: uvicorn.Config, server: Server, timeout: float) -> None:
-        super().__init__(config)
-        self.app_server, self.timeout = server, timeout
-
-    async def shutdown(self, sockets=None) -> None:
-        self.app_server.draining = True
-        expiry = asyncio.get_running_loop().call_later(self.timeout,
-                                                       self.app_server.engine.expire)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            expiry.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """SIGINT/SIGTERM: stop accepting, let in-flight requests finish (for up to
-        --shutdown-timeout); unlike uvicorn's own, no re-raise: exit 0, or 1 if any was cut."""
-        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                     "block_size", "num_kv_blocks", "kv_cache_memory_gib",
                     "long_prefill_token_threshold", "scheduling_policy", "batching",
-                    "tensor_parallel_size",
-                    "attention_backend",
-                    "seed", "enable_prefix_caching", "enable_chunked_prefill",
-                    "enforce_eager")
+                    "tensor_parallel_size", "attention_backend", "seed", "enable_prefix_caching",
+                    "enable_chunked_prefill", "enforce_eager")
     config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}
     config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
     if args.no_fast_paths:

@@ -36,6 +36,8 @@ from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.validation import (
     CHAT,
     COMPLETION,
+    DETOKENIZE,
+    TOKENIZE,
     Endpoint,
     check_prompt_length,
     check_request,
@@ -44,7 +46,7 @@ from nanoserve.entrypoints.validation import (
 
 BIG_BYTES = 1 << 16  # below it json.loads holds the GIL for at most ~0.3 ms
 MAX_WAITING = 16  # bodies with or waiting for the helper; more are parsed by the server itself
-ENDPOINTS = (COMPLETION, CHAT)  # a request frame names its endpoint by this index
+ENDPOINTS = (COMPLETION, CHAT, TOKENIZE, DETOKENIZE)  # a request frame names its own by index
 REQUEST, VERDICT = struct.Struct("!BI"), struct.Struct("!I")  # the frames' heads
 log = logging.getLogger("nanoserve")
 

@@ -78,6 +78,31 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest
+    (`messages` and the chat template's options) as one; exactly one of the two is given."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # None: vLLM's defaults, True for a prompt, False
+    # for messages (the template writes them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):  # POST /detokenize
+    model: str | None = None
+    tokens: list[int]
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(f"The model `{requested}` does not exist.", "model", 404)
+
+
 def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
     """The request field an engine ValueError names (its messages start with the field)."""
     word = re.match(r"\w+", message)
@@ -120,13 +145,20 @@ def completion_chars(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def chat_prompt(req: ChatCompletionRequest) -> list[dict]:
+def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The one prompt of a chat request: the messages (checked here, on the event loop) and the
     chat template's options, prompts.chat_prompts' arguments."""
     return [{"messages": [chat_message(m) for m in req.messages],
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
             "chat_template_kwargs": req.chat_template_kwargs}]
+
+
+def tokenize_prompts(req: TokenizeRequest) -> list:
+    """A /tokenize request's one prompt: its text, or its conversation as chat_prompt's."""
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("prompt or messages must be given, not both nor neither", "prompt")
+    return [req.prompt] if req.messages is None else chat_prompt(req)
 
 
 def chat_chars(prompt: dict) -> int:

@@ -13,19 +13,24 @@ from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
 
 
+def render(tokenizer: Any, prompt: dict) -> dict:
+    """A conversation as LLM.chat renders it (the template's options from the request): its
+    text ("prompt") and token ids ("prompt_token_ids"). On a tokenizer thread."""
+    try:
+        [rendered] = chat_prompts(tokenizer=tokenizer, **prompt)
+    except ValueError as e:  # messages that do not fit the template, or its options
+        raise APIError(str(e), param_of(str(e), set(ChatCompletionRequest.model_fields),
+                                        "messages") or "messages") from None
+    return rendered
+
+
 class OpenAIServingChat(OpenAIServing):
     endpoint = CHAT  # the prompt: the messages, each {"role", "content"} (protocol.py)
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
-        """As LLM.chat renders a conversation (the template's options from the request)."""
-        try:
-            [rendered] = chat_prompts(tokenizer=tokenizer, **prompt)
-        except ValueError as e:  # messages that do not fit the template, or its options
-            raise APIError(str(e), param_of(str(e), set(ChatCompletionRequest.model_fields),
-                                            "messages") or "messages") from None
-        return rendered["prompt_token_ids"]
+        return render(tokenizer, prompt)["prompt_token_ids"]
 
     def max_tokens_of(self, req: ChatCompletionRequest) -> int | None:
         # as vLLM: max_completion_tokens, OpenAI's name now, over the deprecated max_tokens

@@ -23,6 +23,7 @@ from nanoserve.entrypoints.engine_thread import Collector, EngineThread, Shuttin
 from nanoserve.entrypoints.outputs import CompletionOutput
 from nanoserve.entrypoints.protocol import (
     APIError,
+    check_model,
     error_event,
     param_of,
     sse,
@@ -173,8 +174,7 @@ class OpenAIServing:
     async def to_engine_inputs(self, req: Any) -> list[tuple[SamplingParams, list[int]]]:
         """Each prompt's params and token ids. Every check that costs little first, on the event
         loop (the request's fields once, each prompt's length); then the tokenizer."""
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
+        check_model(req.model, self.model_name)
         for name, ok in (("echo", not getattr(req, "echo", False)),
                          ("repetition_penalty", req.repetition_penalty in (None, 1.0)),
                          ("presence_penalty", req.presence_penalty in (None, 0.0)),

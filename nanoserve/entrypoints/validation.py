@@ -13,7 +13,7 @@ an APIError, a 400 naming the field (protocol.py's shape), never a 500 and never
   (`fewest_tokens`: a sound lower bound on its token count).
 
 Nothing here imports torch: body_checker.py's helper process runs these checks too (`Endpoint`:
-what they need to know of /v1/completions and /v1/chat/completions)."""
+what they need to know of /v1/completions, /v1/chat/completions, /tokenize, /detokenize)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ from nanoserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_chars,
     chat_prompt,
     completion_chars,
     completion_prompts,
+    tokenize_prompts,
 )
 
 MAX_DEPTH = 32  # JSON nesting: a chat message with content parts needs 5
@@ -69,6 +72,9 @@ class Endpoint:
 COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_prompts,
                       completion_chars)
 CHAT = Endpoint(ChatCompletionRequest, "messages", NO_OP_CHAT, chat_prompt, chat_chars)
+# /tokenize and /detokenize: no length bound (a text need not fit the context to be counted)
+TOKENIZE = Endpoint(TokenizeRequest, "prompt", {}, tokenize_prompts, lambda prompt: 0)
+DETOKENIZE = Endpoint(DetokenizeRequest, "tokens", {}, lambda req: [], lambda prompt: 0)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can make a surrogate
 
 

@@ -37,6 +37,10 @@ BIG_BAD = [  # (path, body, param): each over BIG_BYTES
         {**CHAT, "messages": [{"role": "user", "content": TEXT}]}), "messages"),
     ("/v1/chat/completions", json.dumps(
         {**CHAT, "messages": [{"role": "user", "content": None, "x": TEXT}]}), "messages"),
+    ("/tokenize", json.dumps({"prompt": TEXT, "return_token_strs": 1}), "return_token_strs"),
+    ("/tokenize", json.dumps({"messages": [{"role": "user", "content": TEXT}], "prompt": "a"}),
+     "prompt"),
+    ("/detokenize", json.dumps({"tokens": [1.5] * 20000}), "tokens"),
 ]
 
 
@@ -65,6 +69,10 @@ def test_big_valid_bodies_are_served(server):
         r = post(server, path, json.dumps(body).encode() + PAD)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 2
+    for path, body, key in (("/tokenize", {"prompt": "hi " * 30000}, "count"),  # (no length
+                            ("/detokenize", {"tokens": [5] * 20000}, "prompt")):  # bound)
+        r = post(server, path, json.dumps(body).encode())
+        assert r.status_code == 200 and r.json()[key], r.text
 
 
 def children(pid: int) -> list[int]:

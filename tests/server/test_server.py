@@ -521,6 +521,7 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
             r = post(s, "/v1/completions", json.dumps(GOOD), headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
             assert httpx.get(s.base + "/v1/models", headers=headers).status_code == 401
+            assert post(s, "/tokenize", '{"prompt": "hi"}', headers).status_code == 401
         for header in ("sesame", "Bearer  sesame", "bearer sesame", "Bearer sesame,x"):
             r = post(s, "/v1/completions", json.dumps(GOOD), {"authorization": header})
             assert r.status_code == 401, header
@@ -528,6 +529,8 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
             s.client(api_key="wrong").completions.create(model="m", prompt="hi")
         client = s.client(api_key="sesame")
         assert client.models.list().data[0].id == "m"
+        assert post(s, "/detokenize", '{"tokens": [5]}',
+                    {"authorization": "Bearer sesame"}).status_code == 200
         stream = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=300,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
