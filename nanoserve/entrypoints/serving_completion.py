@@ -1,11 +1,13 @@
 """POST /v1/completions (vLLM's OpenAIServingCompletion): a text or token-id prompt, the answer's
-choices as text, and `logprobs` as the legacy completions API shapes them."""
+choices as text (with `echo`, the prompt's text first), and `logprobs` as the legacy completions
+API shapes them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import CompletionRequest
+from nanoserve import SamplingParams
+from nanoserve.entrypoints.protocol import APIError, CompletionRequest
 from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
 from nanoserve.entrypoints.validation import COMPLETION
 from nanoserve.layers.sampler import Logprob
@@ -21,7 +23,19 @@ class OpenAIServingCompletion(OpenAIServing):
         return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def num_logprobs_of(self, req: CompletionRequest) -> int | None:
+        if req.echo and req.logprobs is not None:  # vLLM's would hold the prompt's logprobs
+            raise APIError("echo with logprobs needs the prompt's logprobs, which nanoserve "
+                           "does not compute", "echo")
         return req.logprobs
+
+    async def echoes(self, req: CompletionRequest, inputs: list[tuple[SamplingParams, list[int]]]
+                     ) -> list[str]:
+        """The prompts' texts (token ids decoded, on a tokenizer thread), if echo."""
+        if not req.echo:
+            return [""] * len(inputs)
+        return [prompt if isinstance(prompt, str) else await self.tokenizers.run(
+            lambda tokenizer, ids: tokenizer.decode(ids), ids, len(ids))
+            for prompt, (_, ids) in zip(self.endpoint.prompts_of(req), inputs)]
 
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
                delta: bool) -> dict:

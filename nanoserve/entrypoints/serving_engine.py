@@ -45,6 +45,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_chars: int = 0  # of text already sent: where the next token's text starts
+    echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
 
     def add(self, c: CompletionOutput) -> None:
         self.texts.append(c.text)
@@ -112,6 +113,11 @@ class OpenAIServing:
     def first_chunks(self, head: dict, n: int) -> list[dict]:
         return []
 
+    async def echoes(self, req: Any, inputs: list[tuple[SamplingParams, list[int]]]
+                     ) -> list[str]:
+        """Each prompt's text to put before its completions' (completions' `echo`)."""
+        return [""] * len(inputs)
+
     # -- what they share -------------------------------------------------------------------
 
     async def create(self, body: dict) -> Response:
@@ -121,22 +127,24 @@ class OpenAIServing:
         batch, streaming = Batch(len(inputs)), False
         for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
             self.engine.add(collector, prompt_ids, params, req.priority)
-        num_prompt, num_choices = sum(len(ids) for _, ids in inputs), len(inputs) * req.n
+        num_prompt = sum(len(ids) for _, ids in inputs)
         try:
             for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
                 if (error := await collector.accepted) is not None:
                     raise self.refusal(error)
+            # (once the engine took the token ids: their range is checked there)
+            echoes = [echo for echo in await self.echoes(req, inputs) for _ in range(req.n)]
             head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                     "created": int(time.time()), "model": self.model_name}
             if req.stream:
                 usage = req.stream_options is not None and req.stream_options.include_usage
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(batch, head, num_choices, req.n, num_prompt, usage,
+                    self.stream(batch, head, echoes, req.n, num_prompt, usage,
                                 params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
-            choices = [Choice() for _ in range(num_choices)]
+            choices = [Choice(echo=echo) for echo in echoes]
             async for index, c in batch.outputs(req.n):
                 choices[index].add(c)
         finally:
@@ -144,7 +152,7 @@ class OpenAIServing:
                 self.abort(batch)
         if any(c.finish_reason == "abort" for c in choices):  # not the client: it is here
             raise self.aborted()
-        answer = [self.choice(i, c, "".join(c.texts), self.logprobs_or_none(
+        answer = [self.choice(i, c, c.echo + "".join(c.texts), self.logprobs_or_none(
             c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
         return JSONResponse({**head, "choices": answer, "usage": usage_of(
             num_prompt, sum(c.num_tokens for c in choices))})
@@ -175,8 +183,7 @@ class OpenAIServing:
         """Each prompt's params and token ids. Every check that costs little first, on the event
         loop (the request's fields once, each prompt's length); then the tokenizer."""
         check_model(req.model, self.model_name)
-        for name, ok in (("echo", not getattr(req, "echo", False)),
-                         ("repetition_penalty", req.repetition_penalty in (None, 1.0)),
+        for name, ok in (("repetition_penalty", req.repetition_penalty in (None, 1.0)),
                          ("presence_penalty", req.presence_penalty in (None, 0.0)),
                          ("frequency_penalty", req.frequency_penalty in (None, 0.0))):
             if not ok:
@@ -225,23 +232,24 @@ class OpenAIServing:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""
         return field_name
 
-    async def stream(self, batch: Batch, head: dict, num_choices: int, n: int, num_prompt: int,
+    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int, num_prompt: int,
                      include_usage: bool, num_logprobs: int | None):
         """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
-        choices = [Choice() for _ in range(num_choices)]
+        choices = [Choice(echo=echo) for echo in echoes]
         head = {**head, "object": self.chunk_object}
         try:
-            for chunk in self.first_chunks(head, num_choices):
+            for chunk in self.first_chunks(head, len(choices)):
                 yield sse(chunk)
             async for index, c in batch.outputs(n):
                 choice, start = choices[index], len(choices[index].logprobs)
                 choice.add(c)
                 if c.text or c.token_ids or c.finish_reason:
+                    text, choice.echo = choice.echo + c.text, ""  # the echo with the first
                     logprobs = self.logprobs_or_none(choice.logprobs[start:], choice.num_chars,
                                                      num_logprobs)
                     yield sse({**head, "choices": [
-                        self.choice(index, choice, c.text, logprobs, delta=True)]})
-                    choice.num_chars += len(c.text)
+                        self.choice(index, choice, text, logprobs, delta=True)]})
+                    choice.num_chars += len(text)
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)

@@ -54,7 +54,7 @@ NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0
 NO_OP_COMPLETION = {**NO_OP, "suffix": (None, "")}
 NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"),
               "functions": (None, []), "function_call": (None, "none", "auto"),
-              "chat_template": (None,),
+              "chat_template": (None,), "echo": (None, False),
               "documents": (None,), "modalities": (None, ["text"])}
 
 

@@ -3,7 +3,8 @@
 raw httpx. Every wait is bounded in count and time; speed is never asserted.
 
 - Greedy completions and chat equal `LLM.generate`'s (same model, in this process); streamed
-  text joined equals the non-streamed text; usage counts; /v1/models, /health, /metrics parse.
+  text joined equals the non-streamed text; usage counts; `echo`; /v1/models, /health,
+  /metrics parse.
 - Bad inputs: each a 400 (404 for an unknown model) naming the field, and the server keeps serving.
 - A client that disconnects mid-stream or mid-answer aborts its request: 0 running, all KV free.
 - 64 concurrent clients, mixed lengths, some disconnecting at random points, some bad: every good
@@ -69,6 +70,34 @@ def test_completions_equal_generate_streamed_or_not(server, ref_llm):
         assert "".join(c.choices[0].text for c in chunks[:-1]) == ref.text
         assert chunks[-2].choices[0].finish_reason == "length"
         assert all(c.usage is None for c in chunks[:-1])  # usage only on the last chunk
+
+
+def test_echo_puts_each_prompts_text_before_its_completions(server, ref_llm):
+    """vLLM's `echo`: the prompt's text (token ids decoded), then the completion; streamed, in
+    the choice's first chunk. The usage counts the generated tokens only."""
+    client, text, ids = server.client(), "The quick brown fox", [5, 17, 3, 250, 8, 41]
+    echoed = {0: text, 1: ref_llm.tokenizer.decode(ids)}
+    refs = ref_llm.generate([text, ids], greedy(6), use_tqdm=False)
+    for i, prompt in enumerate((text, ids)):
+        kw = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True,
+              "extra_body": {"ignore_eos": True}}
+        out = client.completions.create(**kw)
+        assert out.choices[0].text == echoed[i] + refs[i].text
+        assert out.usage.completion_tokens == 6
+        chunks = [c.choices[0].text for c in client.completions.create(**kw, stream=True)]
+        assert chunks[0].startswith(echoed[i]) and "".join(chunks) == echoed[i] + refs[i].text
+    batch = [ids, [9, 8, 7]]  # a batch: each choice after its own prompt
+    refs = ref_llm.generate(batch, greedy(6), use_tqdm=False)
+    out = client.completions.create(model="m", prompt=batch, n=2, max_tokens=6, echo=True,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.text for c in out.choices] == [
+        ref_llm.tokenizer.decode(batch[c.index // 2]) + refs[c.index // 2].text
+        for c in out.choices]
+    for path, body in (("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "echo": True})):
+        r = post(server, path, json.dumps(body))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 def test_chat_equals_generate_on_the_chat_template(server, ref_llm):
