@@ -39,6 +39,7 @@ def error_event(message: str, code: int) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: a usage in every chunk (vLLM's)
 
 
 class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are ignored

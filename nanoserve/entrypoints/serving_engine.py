@@ -23,6 +23,7 @@ from nanoserve.entrypoints.engine_thread import Collector, EngineThread, Shuttin
 from nanoserve.entrypoints.outputs import CompletionOutput
 from nanoserve.entrypoints.protocol import (
     APIError,
+    StreamOptions,
     check_model,
     error_event,
     param_of,
@@ -137,11 +138,10 @@ class OpenAIServing:
             head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
                     "created": int(time.time()), "model": self.model_name}
             if req.stream:
-                usage = req.stream_options is not None and req.stream_options.include_usage
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(batch, head, echoes, req.n, num_prompt, usage,
-                                params.logprobs),
+                    self.stream(batch, head, echoes, req.n, num_prompt,
+                                req.stream_options or StreamOptions(), params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
             choices = [Choice(echo=echo) for echo in echoes]
@@ -233,13 +233,15 @@ class OpenAIServing:
         return field_name
 
     async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int, num_prompt: int,
-                     include_usage: bool, num_logprobs: int | None):
+                     options: StreamOptions, num_logprobs: int | None):
         """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
         choices = [Choice(echo=echo) for echo in echoes]
         head = {**head, "object": self.chunk_object}
+        # vLLM's continuous_usage_stats: every chunk also says its choice's usage so far
+        every = options.include_usage and options.continuous_usage_stats
         try:
             for chunk in self.first_chunks(head, len(choices)):
-                yield sse(chunk)
+                yield sse({**chunk, "usage": usage_of(num_prompt, 0)} if every else chunk)
             async for index, c in batch.outputs(n):
                 choice, start = choices[index], len(choices[index].logprobs)
                 choice.add(c)
@@ -248,12 +250,13 @@ class OpenAIServing:
                     logprobs = self.logprobs_or_none(choice.logprobs[start:], choice.num_chars,
                                                      num_logprobs)
                     yield sse({**head, "choices": [
-                        self.choice(index, choice, text, logprobs, delta=True)]})
+                        self.choice(index, choice, text, logprobs, delta=True)], **(
+                        {"usage": usage_of(num_prompt, choice.num_tokens)} if every else {})})
                     choice.num_chars += len(text)
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
-            elif include_usage:  # vLLM's bench client reads usage only from a choice-less chunk
+            elif options.include_usage:  # vLLM's bench client reads it from a choice-less chunk
                 yield sse({**head, "choices": [], "usage": usage_of(
                     num_prompt, sum(c.num_tokens for c in choices))})
             yield "data: [DONE]\n\n"

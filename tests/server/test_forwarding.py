@@ -71,6 +71,20 @@ def test_usage_is_streamed_only_when_asked(server):
         assert all("usage" not in json.loads(e[6:]) for e in got[:-1]), (options, got)
     got = events(server, stream_options={"include_usage": True})
     assert json.loads(got[-2][6:])["usage"]["completion_tokens"] == 2
+    assert all("usage" not in json.loads(e[6:]) for e in got[:-2])
+    both = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: usage in every chunk
+    for path, body in (("/v1/completions", {**GOOD, "n": 2}), ("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2})):
+        r = post(server, path, json.dumps({**body, "stream": True, "stream_options": both,
+                                           "ignore_eos": True}))
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and "[DONE]" not in e]
+        made = {0: [], 1: []}  # each choice's completion_tokens, chunk by chunk
+        for chunk in chunks[:-1]:
+            [choice] = chunk["choices"]
+            made[choice["index"]].append(chunk["usage"]["completion_tokens"])
+            assert chunk["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"]
+        assert all(counts == sorted(counts) and counts[-1] == 2 for counts in made.values())
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
 def stop_at_the_last_token(ref_llm, n: int, spanning: bool) -> tuple[list[int], str, str]:
