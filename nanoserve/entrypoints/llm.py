@@ -13,6 +13,7 @@ import itertools
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -49,6 +50,10 @@ class LLM(LLMEngine):
         self.core_share = CoreShare.probe() if self.config.device == "cpu" and \
             self.config.tensor_parallel_size == 1 else None
         print(f"nanoserve: {self.describe()}", file=sys.stderr)
+
+    def get_tokenizer(self) -> Any:
+        """The model's HF tokenizer (vLLM's LLM.get_tokenizer); None with skip_tokenizer_init."""
+        return self.tokenizer
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = [getattr(self.hf_config, "eos_token_id", None),

@@ -73,3 +73,12 @@ def test_prompt_dicts_are_the_prompts_they_hold(llm):
         outputs += llm.step()
     assert [(o.request_id, o.prompt, o.token_ids) for o in outputs] == \
         [(request_id, text, expected[0])]
+
+
+def test_get_tokenizer_renders_what_chat_sends(llm):
+    """vLLM's idiom: llm.get_tokenizer().apply_chat_template(...), then generate the text."""
+    text = llm.get_tokenizer().apply_chat_template(CONVERSATIONS[1], tokenize=False,
+                                                   add_generation_prompt=True)
+    [chat] = llm.chat(CONVERSATIONS[1], GREEDY, use_tqdm=False)
+    assert text == chat.prompt
+    assert llm.get_tokenizer().encode(text, add_special_tokens=False) == chat.prompt_token_ids
