@@ -19,8 +19,10 @@ cannot honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import os
 import sys
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
+from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.cli_args import engine_threads, http_limits, parse_args
@@ -172,17 +175,21 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    engine_flags = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                    "block_size", "num_kv_blocks", "kv_cache_memory_gib",
-                    "long_prefill_token_threshold", "scheduling_policy", "batching",
-                    "tensor_parallel_size", "attention_backend", "seed", "enable_prefix_caching",
-                    "enable_chunked_prefill", "enforce_eager")
-    config = {k: getattr(args, k) for k in engine_flags if getattr(args, k) is not None}
+def engine_config(args: argparse.Namespace) -> dict:
+    """The LLM's settings from the flags: each engine flag is EngineConfig's field of the same
+    name, one way through the config (the trace file is main's trace_to, whose steps are marked
+    served)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"trace_file"}
+    config = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
     if args.no_fast_paths:
         config["enable_fast_paths"] = False
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = engine_config(args)
     num_threads = engine_threads(args.reserved_cpus)
     if num_threads is not None:  # before the CPU kernels' OpenMP starts (it reads the env)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)

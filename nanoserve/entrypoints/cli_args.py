@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
                        ("max-num-batched-tokens", int), ("max-model-len", int),
                        ("block-size", int), ("num-kv-blocks", int),
-                       ("kv-cache-memory-gib", float), ("long-prefill-token-threshold", int),
+                       ("kv-cache-memory-gib", float), ("gpu-memory-utilization", float),
+                       ("long-prefill-token-threshold", int),
                        ("scheduling-policy", str), ("batching", str), ("tensor-parallel-size", int),
                        ("attention-backend", str), ("seed", int),
                        ("trace-file", str)):

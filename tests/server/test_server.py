@@ -16,6 +16,7 @@ raw httpx. Every wait is bounded in count and time; speed is never asserted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -32,7 +33,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.entrypoints.api_server import engine_config
 from nanoserve.entrypoints.bundled import default_model_dir
+from nanoserve.entrypoints.cli_args import parse_args
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
 from tests.server.harness import (
     MAX_MODEL_LEN,
@@ -578,6 +582,21 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
     assert [f["reason"] for st in run["steps"] for f in st["finished"]] == ["length"]
     assert all(a["t_s"] <= b["t_s"] for a, b in zip(run["steps"], run["steps"][1:]))
     assert "__TRACE_DATA__" not in build_page([run], "served")
+
+
+def test_every_engine_setting_is_a_flag_of_its_name():
+    """vLLM's flags reach EngineConfig under their own names (--gpu-memory-utilization was
+    missing once); the settings that are not flags are named here."""
+    not_flags = {"usage_context", "torch_compile", "trace", "skip_tokenizer_init",
+                 "enable_fast_paths"}  # (--no-fast-paths)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - not_flags
+    assert fields <= set(vars(parse_args([])))
+    args = parse_args(["--gpu-memory-utilization", "0.5", "--max-num-seqs", "4", "--no-fast-paths",
+                       "--no-enable-prefix-caching", "--trace-file", "t.jsonl"])
+    assert engine_config(args) == {"gpu_memory_utilization": 0.5, "max_num_seqs": 4,
+                                   "enable_prefix_caching": False, "usage_context": "server",
+                                   "enable_fast_paths": False}
+    EngineConfig(**engine_config(args))  # each one EngineConfig takes
 
 
 def test_console_script_help():
