@@ -42,6 +42,12 @@ class CompletionOutput:
     error: str | None = None  # why, when finish_reason is "error"
     logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the top N
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of this output's sampled tokens' logprobs (None without logprobs)."""
+        return None if self.logprobs is None else sum(
+            next(iter(entry.values())).logprob for entry in self.logprobs)  # sampled: first
+
 
 @dataclass
 class RequestOutput:
@@ -61,3 +67,4 @@ class RequestOutput:
     stop_reason = property(lambda self: self.outputs[0].stop_reason)
     error = property(lambda self: self.outputs[0].error)
     logprobs = property(lambda self: self.outputs[0].logprobs)
+    cumulative_logprob = property(lambda self: self.outputs[0].cumulative_logprob)

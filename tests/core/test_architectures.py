@@ -83,6 +83,11 @@ def test_logprobs_of_a_sampled_token_and_zero_top():
         assert list(entry) == [token]
         assert entry[token].logprob == pytest.approx(float(expected[token]), abs=2e-3)
         assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+    expected = sum(float(e[t]) for t, e in zip(out.token_ids, ref))  # vLLM's cumulative_logprob
+    assert out.outputs[0].cumulative_logprob == out.cumulative_logprob == pytest.approx(
+        expected, abs=2e-2)
+    [none] = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert none.cumulative_logprob is None
 
 
 def test_n_completions_share_the_prompts_blocks():
