@@ -36,6 +36,10 @@ class LLM(LLMEngine):
     """`LLM(model=None, **config)`; model None = the bundled SmolLM2."""
 
     def __init__(self, model: str | None = None, **config: object) -> None:
+        known = [f.name for f in dataclasses.fields(EngineConfig)]
+        if unknown := [name for name in config if name not in known]:  # (vLLM's others)
+            raise ValueError(f"{unknown[0]} is not a nanoserve setting; the settings are "
+                             f"{', '.join(known)}")
         super().__init__(model if model is not None else default_model_dir(),
                          EngineConfig(**config))
         self.tokenizer = None if self.config.skip_tokenizer_init else \
