@@ -73,7 +73,8 @@ COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_
                       completion_chars)
 CHAT = Endpoint(ChatCompletionRequest, "messages", NO_OP_CHAT, chat_prompt, chat_chars)
 # /tokenize and /detokenize: no length bound (a text need not fit the context to be counted)
-TOKENIZE = Endpoint(TokenizeRequest, "prompt", {}, tokenize_prompts, lambda prompt: 0)
+TOKENIZE = Endpoint(TokenizeRequest, "prompt", {"tools": (None, []), "chat_template": (None,)},
+                    tokenize_prompts, lambda prompt: 0)
 DETOKENIZE = Endpoint(DetokenizeRequest, "tokens", {}, lambda req: [], lambda prompt: 0)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can make a surrogate
 

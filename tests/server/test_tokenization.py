@@ -73,6 +73,8 @@ def test_detokenize_is_the_tokenizers_decode(server, ref_llm):
     ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True,
                    "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ("/detokenize", {}, 400, "tokens"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
