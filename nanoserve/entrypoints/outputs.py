@@ -68,3 +68,4 @@ class RequestOutput:
     error = property(lambda self: self.outputs[0].error)
     logprobs = property(lambda self: self.outputs[0].logprobs)
     cumulative_logprob = property(lambda self: self.outputs[0].cumulative_logprob)
+    num_cached_tokens = property(lambda self: self.metrics.num_cached_tokens)  # vLLM's name

@@ -119,7 +119,8 @@ def test_prefix_caching_hits(reference):
     rest = llm.generate(shared[1:], GREEDY, use_tqdm=False)
     check(first + rest, shared, reference["expected"])
     assert llm.scheduler.block_manager.prefix_cache_hits > 0
-    assert all(o.metrics.num_cached_tokens > 0 for o in rest)
+    assert all(o.metrics.num_cached_tokens == o.num_cached_tokens > 0 for o in rest)
+    assert first[0].num_cached_tokens == 0
 
 
 def test_priority_policy(reference):
