@@ -39,7 +39,12 @@ from nanoserve import LLM
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
-from nanoserve.entrypoints.cli_args import engine_threads, http_limits, parse_args
+from nanoserve.entrypoints.cli_args import (
+    chat_template,
+    engine_threads,
+    http_limits,
+    parse_args,
+)
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.launcher import UvicornServer
 from nanoserve.entrypoints.protocol import APIError
@@ -207,8 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     if engine.error is not None:
         raise engine.error
     name = args.served_model_name or args.model or MODEL_NAME
-    server = Server(engine, name, args.api_key)
     llm = engine.llm
+    try:  # before the tokenizer threads copy the tokenizer
+        if args.chat_template is not None:
+            llm.tokenizer.chat_template = chat_template(args.chat_template, llm.tokenizer)
+    except ValueError as e:
+        engine.stop()
+        llm.shutdown()  # tensor parallel: the other ranks
+        sys.exit(f"nanoserve serve: {e}")
+    server = Server(engine, name, args.api_key)
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)

@@ -8,6 +8,8 @@ import argparse
 import os
 import resource
 import sys
+from pathlib import Path
+from typing import Any
 
 from nanoserve.entrypoints.http_limits import HttpLimits
 
@@ -24,6 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the model's")
+    for flag in ("disable-log-requests", "disable-log-stats", "trust-remote-code"):
+        # vLLM's, accepted as written in its command lines: nanoserve logs no requests or
+        # stats, and runs no model code but its own (an architecture it lacks is an error)
+        p.add_argument(f"--{flag}", action="store_true", help=argparse.SUPPRESS)
     limits = HttpLimits()  # the HTTP layer's bounds (http_limits.py); h11 names: vLLM's
     p.add_argument("--max-header-bytes", "--h11-max-incomplete-event-size", type=int,
                    default=limits.max_header_bytes, help="request line and headers (431)")
@@ -57,6 +65,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("enforce-eager", "no-fast-paths"):
         p.add_argument(f"--{flag}", action="store_true", default=None)
     return p.parse_args(argv)
+
+
+def chat_template(value: str, tokenizer: Any) -> str:
+    """--chat-template: a file's text, or the template itself (as vLLM: a value without Jinja's
+    braces is a file's path), tried once on a message so that a broken one stops the start."""
+    path = Path(value)
+    if not path.is_file() and "{" not in value:
+        raise ValueError(f"--chat-template {value}: no such file")
+    template = path.read_text() if path.is_file() else value
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                      chat_template=template)
+    except Exception as e:
+        raise ValueError(f"--chat-template does not render a message: {e}") from None
+    return template
 
 
 def engine_threads(reserved: int) -> int | None:

@@ -584,6 +584,31 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
     assert "__TRACE_DATA__" not in build_page([run], "served")
 
 
+def test_chat_template_flag_renders_every_chat(tmp_path):
+    """--chat-template (vLLM's): a template, or a file holding one, in place of the model's, for
+    chat and /tokenize alike; one that cannot render a message, or a path that is no file,
+    stops the start with why. vLLM's no-op flags (--disable-log-requests, ...) are accepted."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir(MAX_MODEL_LEN))
+    messages = [{"role": "user", "content": "Hi"}]
+    for value, flag in ((template, "--disable-log-requests"),
+                        (str(tmp_path / "t.jinja"), "--trust-remote-code")):
+        s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN),
+                          [*TINY_FLAGS, "--chat-template", value, flag, "--disable-log-stats"])
+        try:
+            r = post(s, "/tokenize", json.dumps({"messages": messages}))
+            assert r.json()["tokens"] == tokenizer.encode("<user>Hi", add_special_tokens=False)
+            out = s.client().chat.completions.create(model="m", messages=messages, max_tokens=1)
+            assert out.usage.prompt_tokens == r.json()["count"]
+        finally:
+            assert s.stop() == 0
+    for value, why in (("no/such/template.jinja", "no such file"),
+                       ("{% if %}", "does not render a message")):
+        with pytest.raises(RuntimeError, match=f"--chat-template .*{why}"):
+            ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--chat-template", value])
+
+
 def test_every_engine_setting_is_a_flag_of_its_name():
     """vLLM's flags reach EngineConfig under their own names (--gpu-memory-utilization was
     missing once); the settings that are not flags are named here."""
