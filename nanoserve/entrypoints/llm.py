@@ -244,13 +244,14 @@ class LLM(LLMEngine):
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """generate() on conversations (vLLM's LLM.chat): `messages` is one conversation,
         [{"role": ..., "content": ...}, ...], or a list of them, each rendered by the model's
-        chat template; one output a conversation, in order."""
+        chat template (or `chat_template`, a Jinja template); one output a conversation, in
+        order."""
         prompts = chat_prompts(messages, self.tokenizer, add_generation_prompt,
-                               continue_final_message, chat_template_kwargs)
+                               continue_final_message, chat_template_kwargs, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _output(self, req: Request) -> RequestOutput:

@@ -51,9 +51,11 @@ def prompt_tokens(prompt: Prompt, tokenizer: Any) -> tuple[list[int], str | None
 
 
 def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
-                 continue_final_message: bool, chat_template_kwargs: dict | None) -> list[dict]:
+                 continue_final_message: bool, chat_template_kwargs: dict | None,
+                 chat_template: str | None = None) -> list[dict]:
     """One TokensPrompt a conversation, as vLLM's LLM.chat renders it: `messages` is one
-    conversation ([{"role", "content"}, ...], content a str or text parts) or a list of them."""
+    conversation ([{"role", "content"}, ...], content a str or text parts) or a list of them;
+    `chat_template` a Jinja template in place of the model's (None: the model's)."""
     if tokenizer is None:
         raise ValueError("messages need a tokenizer and its chat template (skip_tokenizer_init "
                          "is True)")
@@ -66,6 +68,9 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict or None, got "
                          f"{type(chat_template_kwargs).__name__}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError(f"chat_template must be a str (a Jinja template) or None, got "
+                         f"{type(chat_template).__name__}")
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message must be False when add_generation_prompt is "
                          "True (vLLM's rule: one or the other)")
@@ -75,7 +80,8 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
             conversation = [chat_message(m) for m in conversation]
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **(chat_template_kwargs or {}))
         except APIError as e:
             raise ValueError(str(e)) from None
         except Exception as e:  # a template error: the messages do not fit it

@@ -82,3 +82,11 @@ def test_get_tokenizer_renders_what_chat_sends(llm):
     [chat] = llm.chat(CONVERSATIONS[1], GREEDY, use_tqdm=False)
     assert text == chat.prompt
     assert llm.get_tokenizer().encode(text, add_special_tokens=False) == chat.prompt_token_ids
+
+
+def test_chat_template_renders_in_place_of_the_models(llm, tokenizer):
+    """vLLM's LLM.chat(chat_template=...): a base model's conversations, or another format."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    [out] = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt == "[user] What is the capital of France?\n"
+    assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
