@@ -128,7 +128,7 @@ class OpenAIServing:
         batch, streaming = Batch(len(inputs)), False
         for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
             self.engine.add(collector, prompt_ids, params, req.priority)
-        num_prompt = sum(len(ids) for _, ids in inputs)
+        prompt_lens = [len(ids) for _, ids in inputs]
         try:
             for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
                 if (error := await collector.accepted) is not None:
@@ -140,7 +140,7 @@ class OpenAIServing:
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(batch, head, echoes, req.n, num_prompt,
+                    self.stream(batch, head, echoes, req.n, prompt_lens,
                                 req.stream_options or StreamOptions(), params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
@@ -155,7 +155,7 @@ class OpenAIServing:
         answer = [self.choice(i, c, c.echo + "".join(c.texts), self.logprobs_or_none(
             c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
         return JSONResponse({**head, "choices": answer, "usage": usage_of(
-            num_prompt, sum(c.num_tokens for c in choices))})
+            sum(prompt_lens), sum(c.num_tokens for c in choices))})
 
     def refusal(self, error: BaseException) -> APIError:
         """What the engine thread's add raised, as the client's error."""
@@ -232,16 +232,18 @@ class OpenAIServing:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""
         return field_name
 
-    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int, num_prompt: int,
-                     options: StreamOptions, num_logprobs: int | None):
+    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int,
+                     prompt_lens: list[int], options: StreamOptions, num_logprobs: int | None):
         """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
         choices = [Choice(echo=echo) for echo in echoes]
         head = {**head, "object": self.chunk_object}
-        # vLLM's continuous_usage_stats: every chunk also says its choice's usage so far
+        # vLLM's continuous_usage_stats: every chunk also says its choice's usage so far (the
+        # prompt's tokens are its own prompt's, in a batch)
         every = options.include_usage and options.continuous_usage_stats
         try:
-            for chunk in self.first_chunks(head, len(choices)):
-                yield sse({**chunk, "usage": usage_of(num_prompt, 0)} if every else chunk)
+            for i, chunk in enumerate(self.first_chunks(head, len(choices))):
+                yield sse({**chunk, "usage": usage_of(prompt_lens[i // n], 0)} if every
+                          else chunk)
             async for index, c in batch.outputs(n):
                 choice, start = choices[index], len(choices[index].logprobs)
                 choice.add(c)
@@ -250,15 +252,15 @@ class OpenAIServing:
                     logprobs = self.logprobs_or_none(choice.logprobs[start:], choice.num_chars,
                                                      num_logprobs)
                     yield sse({**head, "choices": [
-                        self.choice(index, choice, text, logprobs, delta=True)], **(
-                        {"usage": usage_of(num_prompt, choice.num_tokens)} if every else {})})
+                        self.choice(index, choice, text, logprobs, delta=True)], **({"usage":
+                        usage_of(prompt_lens[index // n], choice.num_tokens)} if every else {})})
                     choice.num_chars += len(text)
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
             elif options.include_usage:  # vLLM's bench client reads it from a choice-less chunk
                 yield sse({**head, "choices": [], "usage": usage_of(
-                    num_prompt, sum(c.num_tokens for c in choices))})
+                    sum(prompt_lens), sum(c.num_tokens for c in choices))})
             yield "data: [DONE]\n\n"
         finally:
             self.abort(batch)

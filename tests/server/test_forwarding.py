@@ -73,18 +73,23 @@ def test_usage_is_streamed_only_when_asked(server):
     assert json.loads(got[-2][6:])["usage"]["completion_tokens"] == 2
     assert all("usage" not in json.loads(e[6:]) for e in got[:-2])
     both = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: usage in every chunk
-    for path, body in (("/v1/completions", {**GOOD, "n": 2}), ("/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2})):
-        r = post(server, path, json.dumps({**body, "stream": True, "stream_options": both,
-                                           "ignore_eos": True}))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body, n, lens in (("/v1/completions", GOOD, 2, [3]),
+                                ("/v1/completions", {**GOOD, "prompt": [[5, 6, 7], [5, 6, 7, 8]]},
+                                 1, [3, 4]),  # a batch: each choice its own prompt's tokens
+                                ("/v1/chat/completions", chat, 2, None)):
+        r = post(server, path, json.dumps({**body, "n": n, "stream": True, "ignore_eos": True,
+                                           "stream_options": both}))
         chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and "[DONE]" not in e]
+        lens = lens or [chunks[-1]["usage"]["prompt_tokens"]]  # (the chat's rendered prompt)
         made = {0: [], 1: []}  # each choice's completion_tokens, chunk by chunk
         for chunk in chunks[:-1]:
             [choice] = chunk["choices"]
             made[choice["index"]].append(chunk["usage"]["completion_tokens"])
-            assert chunk["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"]
+            assert chunk["usage"]["prompt_tokens"] == lens[choice["index"] // n]
         assert all(counts == sorted(counts) and counts[-1] == 2 for counts in made.values())
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": sum(lens), "completion_tokens": 4, "total_tokens": sum(lens) + 4}
 
 
 def stop_at_the_last_token(ref_llm, n: int, spanning: bool) -> tuple[list[int], str, str]:
