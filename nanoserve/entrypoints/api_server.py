@@ -2,20 +2,20 @@
 forward, process, repeat"), with requests that really arrive while others run; the layout is
 vLLM's entrypoints/openai: this file (the app), cli_args.py (the flags), protocol.py (the wire)
 and validation.py (its checks), one serving class per endpoint (serving_completion.py,
-serving_chat.py, sharing serving_engine.py; serving_tokenization.py), the engine thread that
-owns the `LLM` (engine_thread.py), the uvicorn server and its shutdown (launcher.py), the HTTP
-layer's limits under it all (http_limits.py), and the helper process that checks big bodies
-first (body_checker.py).
+serving_chat.py, serving_responses.py, sharing serving_engine.py; serving_tokenization.py), the
+engine thread that owns the `LLM` (engine_thread.py), the uvicorn server and its shutdown
+(launcher.py), the HTTP layer's limits (http_limits.py), and the helper process that checks big
+bodies first (body_checker.py).
 
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 
-Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
-/detokenize, /health, /metrics (Prometheus, vLLM's metric names as `nanoserve:`). Errors are
-{"error": {"message", "type", "param", "code"}}: 400 for a bad value (param names the field),
-404 for an unknown model, 401 without the --api-key. Prompts are tokenized on tokenizer threads;
-the event loop only parses and writes JSON, and a body of 64 KiB or more it parses only once the
-helper found nothing to refuse in it. Unknown fields are ignored, as in vLLM; fields nanoserve
-cannot honour are a 400 (validation.py)."""
+Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus, vLLM's metric names as
+`nanoserve:`). Errors are {"error": {"message", "type", "param", "code"}}: 400 for a bad value
+(param names the field), 404 for an unknown model, 401 without the --api-key. Prompts are
+tokenized on tokenizer threads; the event loop only parses and writes JSON, and a body of 64 KiB
+or more only once the helper found nothing to refuse in it. Unknown fields are ignored, as in
+vLLM; fields nanoserve cannot honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
@@ -39,23 +39,20 @@ from nanoserve import LLM
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
-from nanoserve.entrypoints.cli_args import (
-    chat_template,
-    engine_threads,
-    http_limits,
-    parse_args,
-)
+from nanoserve.entrypoints.cli_args import chat_template, engine_threads, http_limits, parse_args
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.launcher import UvicornServer
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
+from nanoserve.entrypoints.serving_responses import OpenAIServingResponses
 from nanoserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import (
     CHAT,
     COMPLETION,
     DETOKENIZE,
+    RESPONSES,
     TOKENIZE,
     Endpoint,
     longest_token,
@@ -74,6 +71,7 @@ class Server:
         longest = longest_token(self.llm.tokenizer)
         self.completion = OpenAIServingCompletion(engine, model_name, self.tokenizers, longest)
         self.chat = OpenAIServingChat(engine, model_name, self.tokenizers, longest)
+        self.responses = OpenAIServingResponses(engine, model_name, self.tokenizers, longest)
         self.tokenization = OpenAIServingTokenization(model_name, self.tokenizers,
                                                       self.max_model_len, len(self.llm.tokenizer))
         self.bodies = BodyChecker(longest, self.max_model_len)
@@ -83,6 +81,7 @@ class Server:
         self.app.get("/v1/models")(self.models)
         for path, endpoint, answer in (("/v1/completions", COMPLETION, self.completion.create),
                                        ("/v1/chat/completions", CHAT, self.chat.create),
+                                       ("/v1/responses", RESPONSES, self.responses.create),
                                        ("/tokenize", TOKENIZE, self.tokenization.tokenize),
                                        ("/detokenize", DETOKENIZE, self.tokenization.detokenize)):
             self.app.post(path)(self.route(endpoint, answer))

@@ -37,6 +37,7 @@ from nanoserve.entrypoints.validation import (
     CHAT,
     COMPLETION,
     DETOKENIZE,
+    RESPONSES,
     TOKENIZE,
     Endpoint,
     check_prompt_length,
@@ -46,7 +47,8 @@ from nanoserve.entrypoints.validation import (
 
 BIG_BYTES = 1 << 16  # below it json.loads holds the GIL for at most ~0.3 ms
 MAX_WAITING = 16  # bodies with or waiting for the helper; more are parsed by the server itself
-ENDPOINTS = (COMPLETION, CHAT, TOKENIZE, DETOKENIZE)  # a request frame names its own by index
+# a request frame names its endpoint by its index here
+ENDPOINTS = (COMPLETION, CHAT, TOKENIZE, DETOKENIZE, RESPONSES)
 REQUEST, VERDICT = struct.Struct("!BI"), struct.Struct("!I")  # the frames' heads
 log = logging.getLogger("nanoserve")
 

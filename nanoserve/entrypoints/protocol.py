@@ -79,6 +79,21 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class ResponsesRequest(SamplingRequest):
+    """POST /v1/responses, vLLM's ResponsesRequest for a text model: `input` is a text (one user
+    message) or a list of messages, earlier answers' output messages among them; `instructions`
+    a system message before them. One answer a request (`n` stays 1)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None  # None: up to max_model_len
+    include: list[str] | None = None  # "message.output_text.logprobs": each token's logprob
+    top_logprobs: int | None = None  # with that include: the top N too
+    store: bool = True  # as in vLLM without its store: nothing is kept, nothing to retrieve
+    metadata: dict[str, str] | None = None  # handed back as given, as is `user`
+    user: str | None = None
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize: vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest
     (`messages` and the chat template's options) as one; exactly one of the two is given."""
@@ -153,6 +168,33 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
             "chat_template_kwargs": req.chat_template_kwargs}]
+
+
+def input_message(item: Any) -> dict:
+    """A Responses `input` item as a chat message: {"role", "content"}, content a text or text
+    parts ("input_text", or an earlier answer's "output_text"), joined."""
+    kind, role, content = (item.get("type", "message"), item.get("role"), item.get("content")) \
+        if isinstance(item, dict) else (None, None, None)
+    if kind != "message":
+        raise APIError(f"input items must be messages (nanoserve serves text, no tools), got "
+                       f"{item!r:.200}", "input")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+            and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise APIError(f"input messages must each have a string role and a text content, got "
+                       f"{item!r:.200}", "input")
+    return {"role": role, "content": content}
+
+
+def responses_prompt(req: ResponsesRequest) -> list[dict]:
+    """A Responses request's one prompt, as chat_prompt's: the instructions, then the input."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    return [{"messages": system + [input_message(m) for m in items],
+             "add_generation_prompt": True, "continue_final_message": False,
+             "chat_template_kwargs": None}]
 
 
 def tokenize_prompts(req: TokenizeRequest) -> list:

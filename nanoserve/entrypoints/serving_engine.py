@@ -47,12 +47,13 @@ class Choice:
     stop_reason: int | str | None = None
     num_chars: int = 0  # of text already sent: where the next token's text starts
     echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
+    error: str | None = None  # why, where finish_reason is "error"
 
     def add(self, c: CompletionOutput) -> None:
         self.texts.append(c.text)
         self.num_tokens += len(c.token_ids)
         self.logprobs += c.logprobs or []
-        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+        self.finish_reason, self.stop_reason, self.error = c.finish_reason, c.stop_reason, c.error
 
 
 class Batch:
@@ -62,6 +63,7 @@ class Batch:
     def __init__(self, num_prompts: int) -> None:
         self.ready = asyncio.Event()
         self.collectors = [Collector(self.ready) for _ in range(num_prompts)]
+        self.num_cached_tokens = 0  # the prefix cache's hit, summed over the finished prompts
 
     async def outputs(self, n: int) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Each completion's outputs as they come, with its choice index (vLLM's: prompt i's
@@ -76,6 +78,7 @@ class Batch:
                         yield i * n + c.index, c
                     if output.finished:
                         live.discard(i)
+                        self.num_cached_tokens += output.num_cached_tokens
 
 
 class OpenAIServing:
@@ -135,8 +138,7 @@ class OpenAIServing:
                     raise self.refusal(error)
             # (once the engine took the token ids: their range is checked there)
             echoes = [echo for echo in await self.echoes(req, inputs) for _ in range(req.n)]
-            head = {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
-                    "created": int(time.time()), "model": self.model_name}
+            head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
@@ -152,10 +154,20 @@ class OpenAIServing:
                 self.abort(batch)
         if any(c.finish_reason == "abort" for c in choices):  # not the client: it is here
             raise self.aborted()
-        answer = [self.choice(i, c, c.echo + "".join(c.texts), self.logprobs_or_none(
-            c.logprobs, 0, params.logprobs), delta=False) for i, c in enumerate(choices)]
-        return JSONResponse({**head, "choices": answer, "usage": usage_of(
-            sum(prompt_lens), sum(c.num_tokens for c in choices))})
+        return JSONResponse(self.answer(head, choices, batch, sum(prompt_lens), params.logprobs))
+
+    def head(self, req: Any) -> dict:
+        """What the answer, and each streamed chunk, starts with."""
+        return {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
+                "created": int(time.time()), "model": self.model_name}
+
+    def answer(self, head: dict, choices: list[Choice], batch: Batch, num_prompt_tokens: int,
+               num_logprobs: int | None) -> dict:
+        """The whole answer, once every choice has finished."""
+        return {**head, "choices": [self.choice(i, c, c.echo + "".join(c.texts),
+                                                self.logprobs_or_none(c.logprobs, 0, num_logprobs),
+                                                delta=False) for i, c in enumerate(choices)],
+                "usage": usage_of(num_prompt_tokens, sum(c.num_tokens for c in choices))}
 
     def refusal(self, error: BaseException) -> APIError:
         """What the engine thread's add raised, as the client's error."""
@@ -203,7 +215,8 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=self.num_logprobs_of(req),
                 output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
-            field_name = param_of(str(e), set(type(req).model_fields),
+            engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+            field_name = param_of(str(e), set(type(req).model_fields) | engine_fields,
                                   self.endpoint.prompt_field)
             name, message = self.wire_name(field_name, req), str(e)
             if field_name and name != field_name and message.startswith(field_name + " "):

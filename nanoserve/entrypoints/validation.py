@@ -13,7 +13,7 @@ an APIError, a 400 naming the field (protocol.py's shape), never a 500 and never
   (`fewest_tokens`: a sound lower bound on its token count).
 
 Nothing here imports torch: body_checker.py's helper process runs these checks too (`Endpoint`:
-what they need to know of /v1/completions, /v1/chat/completions, /tokenize, /detokenize)."""
+what they need to know of each endpoint)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ from nanoserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     chat_chars,
     chat_prompt,
     completion_chars,
     completion_prompts,
+    responses_prompt,
     tokenize_prompts,
 )
 
@@ -57,6 +59,13 @@ NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"
               "chat_template": (None,), "echo": (None, False),
               "documents": (None,), "modalities": (None, ["text"])}
 
+# /v1/responses: one answer, text only, nothing stored to continue from
+NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "tools": (None, []),
+                   "tool_choice": (None, "none", "auto"), "previous_response_id": (None,),
+                   "background": (None, False), "prompt": (None,), "reasoning": (None,),
+                   "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
+                   "conversation": (None,), "previous_response": (None,)}
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -72,6 +81,7 @@ class Endpoint:
 COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_prompts,
                       completion_chars)
 CHAT = Endpoint(ChatCompletionRequest, "messages", NO_OP_CHAT, chat_prompt, chat_chars)
+RESPONSES = Endpoint(ResponsesRequest, "input", NO_OP_RESPONSES, responses_prompt, chat_chars)
 # /tokenize and /detokenize: no length bound (a text need not fit the context to be counted)
 TOKENIZE = Endpoint(TokenizeRequest, "prompt", {"tools": (None, []), "chat_template": (None,)},
                     tokenize_prompts, lambda prompt: 0)

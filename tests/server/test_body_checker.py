@@ -41,6 +41,9 @@ BIG_BAD = [  # (path, body, param): each over BIG_BYTES
     ("/tokenize", json.dumps({"messages": [{"role": "user", "content": TEXT}], "prompt": "a"}),
      "prompt"),
     ("/detokenize", json.dumps({"tokens": [1.5] * 20000}), "tokens"),
+    ("/v1/responses", json.dumps({"input": TEXT, "instructions": "be brief"}), "input"),
+    ("/v1/responses", json.dumps({"input": [{"role": "user", "content": "hi", "x": TEXT}],
+                                  "previous_response_id": "resp_1"}), "previous_response_id"),
 ]
 
 
@@ -69,6 +72,9 @@ def test_big_valid_bodies_are_served(server):
         r = post(server, path, json.dumps(body).encode() + PAD)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 2
+    r = post(server, "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 2,
+                                                  "ignore_eos": True}).encode() + PAD)
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text
     for path, body, key in (("/tokenize", {"prompt": "hi " * 30000}, "count"),  # (no length
                             ("/detokenize", {"tokens": [5] * 20000}, "prompt")):  # bound)
         r = post(server, path, json.dumps(body).encode())

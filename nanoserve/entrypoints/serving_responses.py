@@ -1,0 +1,135 @@
+"""POST /v1/responses (vLLM's OpenAIServingResponses, for a text model): OpenAI's newer API over
+the same engine requests as the chat's (§3). The input, a text or messages, goes through the chat
+template as a chat's messages do; the answer is a "response" whose output is one assistant
+message. Streamed, it is OpenAI's typed events, numbered: the response created and in progress,
+the message and its text part added, the text's deltas, then each of them done, and the response
+completed (its status "incomplete" where max_output_tokens ended it, as vLLM sends it). Nothing
+is stored, as in vLLM without its store: a request cannot continue an earlier one by id
+(`previous_response_id` is a 400); a client sends the conversation, earlier output messages
+included, as `input`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from typing import Any
+
+from nanoserve.entrypoints.protocol import APIError, ResponsesRequest, StreamOptions, error_event
+from nanoserve.entrypoints.serving_chat import OpenAIServingChat
+from nanoserve.entrypoints.serving_engine import Batch, Choice
+from nanoserve.entrypoints.validation import RESPONSES
+
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
+# a finish reason -> the response's status ("stop": completed; the sampler's "error": failed)
+STATUS = {"length": "incomplete", "error": "failed"}
+
+
+def event(kind: str, number: int, **data: Any) -> str:
+    """A server-sent event as OpenAI sends them: its type named twice, and its number."""
+    body = json.dumps({"type": kind, "sequence_number": number, **data}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {body}\n\n"
+
+
+class OpenAIServingResponses(OpenAIServingChat):
+    endpoint = RESPONSES  # the prompt: `input` and `instructions`, as chat messages (protocol.py)
+
+    def max_tokens_of(self, req: ResponsesRequest) -> int | None:
+        return req.max_output_tokens
+
+    def num_logprobs_of(self, req: ResponsesRequest) -> int | None:
+        wanted = LOGPROBS in (req.include or [])
+        if req.top_logprobs and not wanted:
+            raise APIError(f'top_logprobs needs include: ["{LOGPROBS}"]', "top_logprobs")
+        return (req.top_logprobs or 0) if wanted else None
+
+    def wire_name(self, field_name: str | None, req: ResponsesRequest) -> str | None:
+        names = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+        return names.get(field_name, field_name)
+
+    def head(self, req: ResponsesRequest) -> dict:
+        """The response as it starts (no output yet), the request's settings in it."""
+        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+                "created_at": int(time.time()), "model": self.model_name,
+                "status": "in_progress", "output": [], "usage": None, "error": None,
+                "incomplete_details": None, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,
+                "temperature": 1.0 if req.temperature is None else req.temperature,
+                "top_p": 1.0 if req.top_p is None else req.top_p,
+                "top_logprobs": req.top_logprobs, "parallel_tool_calls": True,
+                "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
+                "truncation": "disabled", "previous_response_id": None, "reasoning": None,
+                "store": False, "background": False, "user": req.user}
+
+    def message(self, item_id: str, choice: Choice, num_logprobs: int | None,
+                status: str) -> dict:
+        """The output's assistant message, its text as one "output_text" part."""
+        return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+                "content": [self.text_part("".join(choice.texts), choice, num_logprobs)]}
+
+    def text_part(self, text: str, choice: Choice, num_logprobs: int | None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": self.token_logprobs(choice.logprobs, num_logprobs)}
+
+    def token_logprobs(self, entries: list, num_logprobs: int | None) -> list:
+        """The chat's per-token logprobs (each token's, and its top N): the same entries."""
+        return [] if num_logprobs is None else self.logprobs(entries, 0, num_logprobs)["content"]
+
+    def finished(self, head: dict, choice: Choice, batch: Batch, num_prompt_tokens: int,
+                 num_logprobs: int | None, item_id: str) -> dict:
+        """The response once its one completion has finished: its status, output and usage."""
+        status = STATUS.get(choice.finish_reason, "completed")
+        incomplete = status == "incomplete"
+        message = self.message(item_id, choice, num_logprobs,
+                               "incomplete" if incomplete else "completed")
+        usage = {"input_tokens": num_prompt_tokens, "output_tokens": choice.num_tokens,
+                 "total_tokens": num_prompt_tokens + choice.num_tokens,
+                 "input_tokens_details": {"cached_tokens": batch.num_cached_tokens},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
+        return {**head, "status": status, "output": [message], "usage": usage,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "error": {"code": "server_error", "message": choice.error}
+                if status == "failed" else None}
+
+    def answer(self, head: dict, choices: list[Choice], batch: Batch, num_prompt_tokens: int,
+               num_logprobs: int | None) -> dict:
+        return self.finished(head, choices[0], batch, num_prompt_tokens, num_logprobs,
+                             f"msg_{uuid.uuid4().hex}")
+
+    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int,
+                     prompt_lens: list[int], options: StreamOptions, num_logprobs: int | None):
+        """OpenAI's events for one message of one text part; closing it (a disconnect) aborts."""
+        choice, item_id, number = Choice(), f"msg_{uuid.uuid4().hex}", itertools.count()
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        try:
+            yield event("response.created", next(number), response=head)
+            yield event("response.in_progress", next(number), response=head)
+            yield event("response.output_item.added", next(number), output_index=0,
+                        item={**self.message(item_id, choice, None, "in_progress"),
+                              "content": []})
+            yield event("response.content_part.added", next(number), **where,
+                        part=self.text_part("", choice, None))
+            async for _, c in batch.outputs(1):
+                start = len(choice.logprobs)
+                choice.add(c)
+                if c.text:
+                    yield event("response.output_text.delta", next(number), **where,
+                                delta=c.text, logprobs=self.token_logprobs(
+                                    choice.logprobs[start:], num_logprobs))
+            if choice.finish_reason == "abort":  # shutdown or a failed step
+                error = self.aborted()
+                yield error_event(error.message, error.code)
+                return
+            done = self.finished(head, choice, batch, prompt_lens[0], num_logprobs, item_id)
+            [message] = done["output"]
+            [part] = message["content"]
+            yield event("response.output_text.done", next(number), **where, text=part["text"],
+                        logprobs=part["logprobs"])
+            yield event("response.content_part.done", next(number), **where, part=part)
+            yield event("response.output_item.done", next(number), output_index=0, item=message)
+            # vLLM's last event whatever the status (the response says it): the openai client's
+            # stream helper hands back a final response only after a response.completed
+            yield event("response.completed", next(number), response=done)
+        finally:
+            self.abort(batch)
