@@ -10,11 +10,11 @@ bodies first (body_checker.py).
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 
 Endpoints and fields are vLLM's: /v1/completions, /v1/chat/completions, /v1/responses,
-/v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus, vLLM's metric names as
-`nanoserve:`). Errors are {"error": {"message", "type", "param", "code"}}: 400 for a bad value
-(param names the field), 404 for an unknown model, 401 without the --api-key. Prompts are
-tokenized on tokenizer threads; the event loop only parses and writes JSON, and a body of 64 KiB
-or more only once the helper found nothing to refuse in it. Unknown fields are ignored, as in
+/v1/models, /tokenize, /detokenize, /health, /version, /metrics (Prometheus, vLLM's metric
+names as `nanoserve:`). Errors are {"error": {"message", "type", "param", "code"}}: 400 for a
+bad value (param names the field), 404 for an unknown model, 401 without the --api-key. Prompts
+are tokenized on tokenizer threads; the event loop only parses and writes JSON, and a body of 64
+KiB or more only once the helper found nothing to refuse in it. Unknown fields are ignored, as in
 vLLM; fields nanoserve cannot honour are a 400 (validation.py)."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from importlib.metadata import version
 
 import prometheus_client as prom
 import uvicorn
@@ -78,6 +79,7 @@ class Server:
         self.app = FastAPI(lifespan=self.lifespan)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
+        self.app.get("/version")(lambda: {"version": version("nanoserve")})  # vLLM's, ours
         self.app.get("/v1/models")(self.models)
         for path, endpoint, answer in (("/v1/completions", COMPLETION, self.completion.create),
                                        ("/v1/chat/completions", CHAT, self.chat.create),

@@ -191,6 +191,8 @@ def input_message(item: Any) -> dict:
 def responses_prompt(req: ResponsesRequest) -> list[dict]:
     """A Responses request's one prompt, as chat_prompt's: the instructions, then the input."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    if not items:
+        raise APIError("input must be a text or a non-empty list of messages, got []", "input")
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     return [{"messages": system + [input_message(m) for m in items],
              "add_generation_prompt": True, "continue_final_message": False,

@@ -35,6 +35,14 @@ def event(kind: str, number: int, **data: Any) -> str:
 class OpenAIServingResponses(OpenAIServingChat):
     endpoint = RESPONSES  # the prompt: `input` and `instructions`, as chat messages (protocol.py)
 
+    def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
+        try:
+            return super().tokenize(tokenizer, prompt)
+        except APIError as e:  # what the template refused in the messages: the client's input
+            if e.param == "messages":
+                e.param = "input"
+            raise
+
     def max_tokens_of(self, req: ResponsesRequest) -> int | None:
         return req.max_output_tokens
 

@@ -131,6 +131,8 @@ def test_logprobs_are_the_chats(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
     ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": 7, "content": "x"}]}, "input"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

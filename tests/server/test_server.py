@@ -3,7 +3,7 @@
 raw httpx. Every wait is bounded in count and time; speed is never asserted.
 
 - Greedy completions and chat equal `LLM.generate`'s (same model, in this process); streamed
-  text joined equals the non-streamed text; usage counts; `echo`; /v1/models, /health,
+  text joined equals the non-streamed text; usage counts; `echo`; /v1/models, /health, /version,
   /metrics parse.
 - Bad inputs: each a 400 (404 for an unknown model) naming the field, and the server keeps serving.
 - A client that disconnects mid-stream or mid-answer aborts its request: 0 running, all KV free.
@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -217,6 +218,7 @@ def test_models_health_metrics(server):
     assert [m.id for m in models] == ["m"]
     assert models[0].model_dump()["root"] == tiny_model_dir(MAX_MODEL_LEN)
     assert httpx.get(server.base + "/health").status_code == 200
+    assert httpx.get(server.base + "/version").json() == {"version": version("nanoserve")}
     m = server.wait_idle()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "num_preemptions_total", "prefix_cache_queries_total",
