@@ -2,13 +2,16 @@
 `LLM.generate` gives for the same conversation through the chat template (instructions a system
 message; earlier output messages sent back as input), streamed or not; the status says why it
 ended, the usage counts; logprobs are the chat endpoint's; what nanoserve cannot honour is a 400
-naming the field; a client that leaves mid-stream aborts its request."""
+naming the field; a client that leaves mid-stream aborts its request, also among many at once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 
 import httpx
+import openai
 import pytest
 
 from nanoserve import SamplingParams
@@ -163,4 +166,41 @@ def test_leaving_mid_stream_aborts(server):
         got = [next(lines) for _ in range(16)]  # past the first deltas, then leave
         assert "event: response.output_text.delta" in got
     server.wait_until(lambda m: aborted(m) == before + 1)
+    server.wait_idle()
+
+
+def test_many_clients_at_once_some_leaving(server, ref_llm):
+    """24 clients of the async openai client at once, streamed or not, 6 leaving after a few
+    deltas: each that stays gets LLM.generate's text; then nothing runs and every block is free."""
+    rng = random.Random(1)
+    jobs = [(f"Tell me about {rng.choice(['tea', 'rivers', 'phở', 'owls'])} {i}",
+             rng.randint(2, 40)) for i in range(24)]
+    leaving = set(rng.sample(range(24), 6))
+    refs = ref_llm.generate([chat_ids(ref_llm, [{"role": "user", "content": text}])
+                             for text, _ in jobs], [greedy(n) for _, n in jobs], use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        text, n = jobs[i]
+        await asyncio.sleep(rng.random() * 0.3)
+        kw = {"model": "m", "input": text, "max_output_tokens": n, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+        if i % 2 and i not in leaving:
+            return (await client.responses.create(**kw)).output_text
+        deltas = []
+        async with await client.responses.create(**kw, stream=True) as stream:
+            async for e in stream:
+                if e.type == "response.output_text.delta":
+                    deltas.append(e.delta)
+                    if i in leaving and len(deltas) == 2:
+                        return None
+        return "".join(deltas)
+
+    async def all_of_them() -> list:
+        client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", timeout=60,
+                                    max_retries=0)
+        return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(24))), 240)
+
+    got = asyncio.run(all_of_them())
+    assert [g for i, g in enumerate(got) if i not in leaving] == \
+        [r.text for i, r in enumerate(refs) if i not in leaving]
     server.wait_idle()
