@@ -19,10 +19,8 @@ vLLM; fields nanoserve cannot honour are a 400 (validation.py)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import os
 import sys
@@ -33,14 +31,20 @@ from importlib.metadata import version
 import prometheus_client as prom
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
-from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
-from nanoserve.entrypoints.cli_args import chat_template, engine_threads, http_limits, parse_args
+from nanoserve.entrypoints.cli_args import (
+    chat_template,
+    engine_config,
+    engine_threads,
+    http_limits,
+    parse_args,
+)
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.launcher import UvicornServer
 from nanoserve.entrypoints.protocol import APIError
@@ -62,7 +66,8 @@ from nanoserve.entrypoints.validation import (
 
 
 class Server:
-    def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
+                 prompt_tokens_details: bool = False) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
         self.draining = False  # shutting down: new requests get a 503
@@ -70,9 +75,10 @@ class Server:
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
-        self.completion = OpenAIServingCompletion(engine, model_name, self.tokenizers, longest)
-        self.chat = OpenAIServingChat(engine, model_name, self.tokenizers, longest)
-        self.responses = OpenAIServingResponses(engine, model_name, self.tokenizers, longest)
+        serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details)
+        self.completion = OpenAIServingCompletion(*serving)
+        self.chat = OpenAIServingChat(*serving)
+        self.responses = OpenAIServingResponses(*serving)
         self.tokenization = OpenAIServingTokenization(model_name, self.tokenizers,
                                                       self.max_model_len, len(self.llm.tokenizer))
         self.bodies = BodyChecker(longest, self.max_model_len)
@@ -181,18 +187,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def engine_config(args: argparse.Namespace) -> dict:
-    """The LLM's settings from the flags: each engine flag is EngineConfig's field of the same
-    name, one way through the config (the trace file is main's trace_to, whose steps are marked
-    served)."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"trace_file"}
-    config = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
-    if args.no_fast_paths:
-        config["enable_fast_paths"] = False
-    return config
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = engine_config(args)
@@ -221,7 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    server = Server(engine, name, args.api_key)
+    server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details)
+    if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
+        server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                                  allow_credentials=args.allow_credentials,
+                                  allow_methods=args.allowed_methods,
+                                  allow_headers=args.allowed_headers)
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)

@@ -1,16 +1,20 @@
 """`nanoserve serve`'s flags (vLLM's entrypoints/openai/cli_args.py): the server's own, the HTTP
 layer's limits (http_limits.py; vLLM's h11 names are aliases), and the engine's settings under
-vLLM's names; and the engine's thread count, from --reserved-cpus."""
+vLLM's names (engine_config: the LLM's settings from them); and the engine's thread count, from
+--reserved-cpus."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any
 
+from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
@@ -28,6 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
+    p.add_argument("--allowed-origins", type=json.loads, default=None,
+                   help='CORS, a JSON list (vLLM\'s; e.g. \'["*"]\'); default: no CORS headers')
+    p.add_argument("--allow-credentials", action="store_true")
+    for flag in ("allowed-methods", "allowed-headers"):  # with --allowed-origins
+        p.add_argument(f"--{flag}", type=json.loads, default=["*"])
     for flag in ("disable-log-requests", "disable-log-stats", "trust-remote-code"):
         # vLLM's, accepted as written in its command lines: nanoserve logs no requests or
         # stats, and runs no model code but its own (an architecture it lacks is an error)
@@ -102,3 +113,15 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
     return HttpLimits(args.max_url_bytes, args.max_header_bytes, args.max_header_count,
                       args.header_timeout, args.body_timeout,
                       min(args.max_connections, max(files // 2, 16)))
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """The LLM's settings from the flags: each engine flag is EngineConfig's field of the same
+    name, one way through the config (the trace file is main's trace_to, whose steps are marked
+    served)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"trace_file"}
+    config = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
+    if args.no_fast_paths:
+        config["enable_fast_paths"] = False
+    return config

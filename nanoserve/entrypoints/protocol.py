@@ -214,6 +214,8 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage_of(num_prompt: int, num_completion: int) -> dict:
+def usage_of(num_prompt: int, num_completion: int, num_cached: int | None = None) -> dict:
+    """`num_cached` (--enable-prompt-tokens-details): the prompt tokens the prefix cache held."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion} | (
+        {} if num_cached is None else {"prompt_tokens_details": {"cached_tokens": num_cached}})

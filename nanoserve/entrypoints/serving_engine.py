@@ -88,8 +88,9 @@ class OpenAIServing:
     id_prefix: str
 
     def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
-                 longest_token: int) -> None:
+                 longest_token: int, prompt_tokens_details: bool = False) -> None:
         self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
+        self.prompt_tokens_details = prompt_tokens_details  # usage's cached_tokens (vLLM's flag)
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
 
@@ -167,7 +168,11 @@ class OpenAIServing:
         return {**head, "choices": [self.choice(i, c, c.echo + "".join(c.texts),
                                                 self.logprobs_or_none(c.logprobs, 0, num_logprobs),
                                                 delta=False) for i, c in enumerate(choices)],
-                "usage": usage_of(num_prompt_tokens, sum(c.num_tokens for c in choices))}
+                "usage": usage_of(num_prompt_tokens, sum(c.num_tokens for c in choices),
+                                  self.num_cached(batch))}
+
+    def num_cached(self, batch: Batch) -> int | None:
+        return batch.num_cached_tokens if self.prompt_tokens_details else None
 
     def refusal(self, error: BaseException) -> APIError:
         """What the engine thread's add raised, as the client's error."""
@@ -273,7 +278,7 @@ class OpenAIServing:
                 yield error_event(error.message, error.code)
             elif options.include_usage:  # vLLM's bench client reads it from a choice-less chunk
                 yield sse({**head, "choices": [], "usage": usage_of(
-                    sum(prompt_lens), sum(c.num_tokens for c in choices))})
+                    sum(prompt_lens), sum(c.num_tokens for c in choices), self.num_cached(batch))})
             yield "data: [DONE]\n\n"
         finally:
             self.abort(batch)

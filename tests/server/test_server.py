@@ -35,9 +35,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.entrypoints.api_server import engine_config
 from nanoserve.entrypoints.bundled import default_model_dir
-from nanoserve.entrypoints.cli_args import parse_args
+from nanoserve.entrypoints.cli_args import engine_config, parse_args
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
 from tests.server.harness import (
     MAX_MODEL_LEN,
@@ -609,6 +608,42 @@ def test_chat_template_flag_renders_every_chat(tmp_path):
                        ("{% if %}", "does not render a message")):
         with pytest.raises(RuntimeError, match=f"--chat-template .*{why}"):
             ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--chat-template", value])
+
+
+def test_prompt_tokens_details_and_cors_flags(server):
+    """--enable-prompt-tokens-details: usage's cached_tokens, the prefix cache's hit (vLLM's);
+    --allowed-origins: CORS for those origins only. Without the flags (the module's server):
+    neither."""
+    prompt = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 cached on the second time
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    origin = {"origin": "http://ui.example"}
+    r = httpx.post(server.base + "/v1/completions", json=body, headers=origin, timeout=30)
+    assert "prompt_tokens_details" not in r.json()["usage"]
+    assert "access-control-allow-origin" not in r.headers
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [
+        *TINY_FLAGS, "--enable-prompt-tokens-details", "--allowed-origins",
+        '["http://ui.example"]'])
+    try:
+        cached = [s.client().completions.create(**body).usage.prompt_tokens_details.cached_tokens
+                  for _ in range(2)]
+        assert cached == [0, 32]
+        usages = [list(s.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi there " * 20}], max_tokens=2,
+            stream=True, stream_options={"include_usage": True}))[-1].usage for _ in range(2)]
+        assert [u.prompt_tokens_details.cached_tokens for u in usages] == \
+            [0, (usages[1].prompt_tokens - 1) // 16 * 16] and usages[1].prompt_tokens > 17
+        preflight = httpx.options(s.base + "/v1/completions", timeout=30, headers={
+            **origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+        r = httpx.post(s.base + "/v1/completions", json=body, headers=origin, timeout=30)
+        assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = httpx.post(s.base + "/v1/completions", json=body, timeout=30,
+                       headers={"origin": "http://elsewhere.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        assert s.stop() == 0
 
 
 def test_every_engine_setting_is_a_flag_of_its_name():
