@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's")
+    p.add_argument("--generation-config", default="auto",
+                   help="whose sampling defaults apply: 'auto' (the model's "
+                        "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
     p.add_argument("--allowed-origins", type=json.loads, default=None,

@@ -25,6 +25,7 @@ from nanoserve.engine.request import FinishReason, Request, RequestStatus
 from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
+from nanoserve.entrypoints.generation_config import sampling_defaults
 from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
 from nanoserve.entrypoints.prompts import Prompt, chat_prompts, prompt_tokens
@@ -33,15 +34,18 @@ from nanoserve.utils import as_token_id, is_int
 
 
 class LLM(LLMEngine):
-    """`LLM(model=None, **config)`; model None = the bundled SmolLM2."""
+    """`LLM(model=None, generation_config="auto", **config)`; model None = the bundled SmolLM2;
+    generation_config: whose sampling defaults apply (generation_config.py)."""
 
-    def __init__(self, model: str | None = None, **config: object) -> None:
+    def __init__(self, model: str | None = None, generation_config: str = "auto",
+                 **config: object) -> None:
         known = [f.name for f in dataclasses.fields(EngineConfig)]
         if unknown := [name for name in config if name not in known]:  # (vLLM's others)
             raise ValueError(f"{unknown[0]} is not a nanoserve setting; the settings are "
-                             f"{', '.join(known)}")
-        super().__init__(model if model is not None else default_model_dir(),
-                         EngineConfig(**config))
+                             f"{', '.join(known)}, generation_config")
+        model = model if model is not None else default_model_dir()
+        self.sampling_defaults = sampling_defaults(generation_config, model)  # before the load
+        super().__init__(model, EngineConfig(**config))
         self.tokenizer = None if self.config.skip_tokenizer_init else \
             AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""
         self.eos_token_ids = self._eos_token_ids()
@@ -54,6 +58,11 @@ class LLM(LLMEngine):
         self.core_share = CoreShare.probe() if self.config.device == "cpu" and \
             self.config.tensor_parallel_size == 1 else None
         print(f"nanoserve: {self.describe()}", file=sys.stderr)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's recommended defaults (generation_config.py),
+        what generate() and add_request() use without sampling params."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         """The model's HF tokenizer (vLLM's LLM.get_tokenizer); None with skip_tokenizer_init."""
@@ -111,8 +120,8 @@ class LLM(LLMEngine):
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> str:
         """Queue one request (a str or token ids); returns its request_id."""
-        return self._add(self._make_requests(prompt, sampling_params or SamplingParams(),
-                                             priority))
+        return self._add(self._make_requests(
+            prompt, sampling_params or self.get_default_sampling_params(), priority))
 
     def _add(self, reqs: list[Request]) -> str:
         for req in reqs:
@@ -201,7 +210,7 @@ class LLM(LLMEngine):
             raise ValueError(f"prompts must be a str, a list of token ids, a prompt dict or a "
                              f"list of those, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

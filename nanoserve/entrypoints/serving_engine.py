@@ -210,10 +210,15 @@ class OpenAIServing:
             raise APIError(f"priority must be 0 unless the server runs --scheduling-policy "
                            f"priority (vLLM's rule), got {req.priority}", "priority")
         max_tokens = self.max_tokens_of(req)
+        # what the request leaves unset: the model's recommended (generation_config.py), else
+        # SamplingParams' own defaults
+        defaults = dict(self.engine.llm.sampling_defaults)
+        most = defaults.pop("max_tokens", None)  # with max_tokens unset: at most this many
+        given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
+                 if getattr(req, name) is not None}
         try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
             params = SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, seed=req.seed,
+                **{**defaults, **given}, seed=req.seed,
                 max_tokens=1 if max_tokens is None else max_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -242,8 +247,9 @@ class OpenAIServing:
                 raise APIError(f"{name} is {max_tokens}, with the {len(ids)} prompt tokens more "
                                f"than this model's maximum context length "
                                f"({self.max_model_len})", name)
+            room = self.max_model_len - len(ids)
             inputs.append((params if max_tokens is not None else dataclasses.replace(
-                params, max_tokens=self.max_model_len - len(ids)), ids))
+                params, max_tokens=room if most is None else min(most, room)), ids))
         return inputs
 
     def wire_name(self, field_name: str | None, req: Any) -> str | None:

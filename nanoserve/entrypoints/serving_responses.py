@@ -63,12 +63,17 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "status": "in_progress", "output": [], "usage": None, "error": None,
                 "incomplete_details": None, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,
-                "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p,
+                "temperature": self.default("temperature", req),
+                "top_p": self.default("top_p", req),
                 "top_logprobs": req.top_logprobs, "parallel_tool_calls": True,
                 "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
                 "truncation": "disabled", "previous_response_id": None, "reasoning": None,
                 "store": False, "background": False, "user": req.user}
+
+    def default(self, name: str, req: ResponsesRequest) -> float:
+        """The request's value, else the model's recommended one, else SamplingParams'."""
+        value = getattr(req, name)
+        return self.engine.llm.sampling_defaults.get(name, 1.0) if value is None else value
 
     def message(self, item_id: str, choice: Choice, num_logprobs: int | None,
                 status: str) -> dict:
