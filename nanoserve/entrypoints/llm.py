@@ -26,7 +26,7 @@ from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.generation_config import sampling_defaults
-from nanoserve.entrypoints.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.entrypoints.outputs import RequestOutput, request_output
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
 from nanoserve.entrypoints.prompts import Prompt, chat_prompts, prompt_tokens
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
@@ -265,15 +265,7 @@ class LLM(LLMEngine):
 
     def _output(self, req: Request) -> RequestOutput:
         d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)
-        first = d.num_sent_tokens if d.delta else 0  # the first output token this one returns
-        text, token_ids, stop_reason = d.output(req)
-        logprobs = None
-        if req.sampling_params.logprobs is not None:
-            logprobs = d.decode_logprobs(req.logprobs[first:first + len(token_ids)])
-        completion = CompletionOutput(0, text, token_ids, req.finish_reason and
-                                      req.finish_reason.value, stop_reason, req.error, logprobs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             RequestMetrics.from_request(req), finished=req.is_finished)
+        return request_output(req, d)
 
     def shutdown(self) -> None:
         """Also gives the process back the CPU team and the cores it started with."""

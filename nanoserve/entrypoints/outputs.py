@@ -1,11 +1,12 @@
 """§4 ("process outputs") and §7: what `LLM` hands back for a request: its completions' text and
-tokens, and its latencies."""
+tokens, and its latencies (request_output builds it from the request and its detokenizer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from nanoserve.engine.request import Request
+from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.layers.sampler import Logprob
 
 
@@ -69,3 +70,17 @@ class RequestOutput:
     logprobs = property(lambda self: self.outputs[0].logprobs)
     cumulative_logprob = property(lambda self: self.outputs[0].cumulative_logprob)
     num_cached_tokens = property(lambda self: self.metrics.num_cached_tokens)  # vLLM's name
+
+
+def request_output(req: Request, d: Detokenizer) -> RequestOutput:
+    """A request's output now: its text and tokens since the last (DELTA) or all of them, from
+    its detokenizer; its logprobs' tokens decoded, where asked for."""
+    first = d.num_sent_tokens if d.delta else 0  # the first output token this one returns
+    text, token_ids, stop_reason = d.output(req)
+    logprobs = None
+    if req.sampling_params.logprobs is not None:
+        logprobs = d.decode_logprobs(req.logprobs[first:first + len(token_ids)])
+    completion = CompletionOutput(0, text, token_ids, req.finish_reason and
+                                  req.finish_reason.value, stop_reason, req.error, logprobs)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                         RequestMetrics.from_request(req), finished=req.is_finished)
