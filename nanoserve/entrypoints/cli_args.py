@@ -23,6 +23,8 @@ DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nanoserve serve", description=DESCRIPTION)
     p.add_argument("model", nargs="?", default=None, help="HF model directory (default: bundled)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same, as `python -m vllm.entrypoints.openai.api_server` takes it")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
@@ -78,7 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
     for flag in ("enforce-eager", "no-fast-paths"):
         p.add_argument(f"--{flag}", action="store_true", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            p.error(f"two models: {args.model} and --model {args.model_flag}")
+        args.model = args.model_flag
+    return args
 
 
 def chat_template(value: str, tokenizer: Any) -> str:

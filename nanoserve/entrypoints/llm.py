@@ -200,9 +200,11 @@ class LLM(LLMEngine):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate for all prompts; outputs come back in input order. Outputs of requests
-        added earlier with add_request() that finish meanwhile are kept for the next step()."""
+        added earlier with add_request() that finish meanwhile are kept for the next step().
+        `priority`: one a prompt (vLLM's; scheduling_policy "priority": smaller first, §6.1)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
             prompts = [prompts]
@@ -216,7 +218,11 @@ class LLM(LLMEngine):
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries but there are "
                                  f"{len(prompts)} prompts")
-        requests = [self._make_requests(p, sp, 0) for p, sp in zip(prompts, params)]
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are "
+                             f"{len(prompts)} prompts")
+        requests = [self._make_requests(*args) for args in zip(prompts, params, priority)]
         mine = []
         for reqs in requests:  # all validated: only now does engine state change
             for req in reqs:

@@ -11,6 +11,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.entrypoints.bundled import default_model_dir
+from tests.common.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +131,18 @@ def test_priority_policy(reference):
     outputs, seen = run_steps(llm, prompts, priorities=[i % 3 for i in range(len(prompts))])
     check(outputs, prompts, reference["expected"])
     assert seen["preempted"] > 0
+
+
+def test_generate_takes_a_priority_a_prompt():
+    """vLLM's generate(..., priority=[...]): with one seat, the smallest priority runs first."""
+    llm = LLM(tiny_model_dir(), scheduling_policy="priority", max_num_seqs=1, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 0, 1])
+    ttft = [o.metrics.ttft for o in outs]
+    assert ttft[1] < ttft[2] < ttft[0]
+    with pytest.raises(ValueError, match="priority has 2 entries but there are 3 prompts"):
+        llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[0, 1])
+    assert not llm.has_unfinished_requests()
 
 
 def test_static_policy(reference):

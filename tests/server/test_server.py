@@ -659,6 +659,8 @@ def test_every_engine_setting_is_a_flag_of_its_name():
                                    "enable_prefix_caching": False, "usage_context": "server",
                                    "enable_fast_paths": False}
     EngineConfig(**engine_config(args))  # each one EngineConfig takes
+    # the model: positional (vllm serve's) or --model (vLLM's api_server module's)
+    assert parse_args(["--model", "d"]).model == parse_args(["d"]).model == "d"
 
 
 def test_console_script_help():
