@@ -22,8 +22,8 @@ def sampling_defaults(source: str, model_dir: str) -> dict:
     if source == "vllm":
         return {}
     folder = model_dir if source == "auto" else source
-    if not (Path(folder) / "generation_config.json").is_file():  # (never a hub's: no download)
-        if source == "auto":
+    if not isinstance(folder, str) or not (Path(folder) / "generation_config.json").is_file():
+        if source == "auto":  # (a hub's file is never read: nothing is downloaded)
             return {}  # the model recommends nothing
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
                          f"generation_config.json, got {source!r}")

@@ -37,7 +37,7 @@ class LLM(LLMEngine):
     """`LLM(model=None, generation_config="auto", **config)`; model None = the bundled SmolLM2;
     generation_config: whose sampling defaults apply (generation_config.py)."""
 
-    def __init__(self, model: str | None = None, generation_config: str = "auto",
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
                  **config: object) -> None:
         known = [f.name for f in dataclasses.fields(EngineConfig)]
         if unknown := [name for name in config if name not in known]:  # (vLLM's others)
@@ -218,10 +218,10 @@ class LLM(LLMEngine):
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries but there are "
                                  f"{len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} entries but there are "
-                             f"{len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else priority
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), "
+                             f"got {priority!r:.100}")
         requests = [self._make_requests(*args) for args in zip(prompts, params, priority)]
         mine = []
         for reqs in requests:  # all validated: only now does engine state change

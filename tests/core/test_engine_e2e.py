@@ -140,8 +140,9 @@ def test_generate_takes_a_priority_a_prompt():
     outs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 0, 1])
     ttft = [o.metrics.ttft for o in outs]
     assert ttft[1] < ttft[2] < ttft[0]
-    with pytest.raises(ValueError, match="priority has 2 entries but there are 3 prompts"):
-        llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[0, 1])
+    for bad in ([0, 1], 1):
+        with pytest.raises(ValueError, match=r"priority must be a list of one int a prompt \(3\)"):
+            llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=bad)
     assert not llm.has_unfinished_requests()
 
 

@@ -46,8 +46,11 @@ def test_offline_defaults_are_the_models(model_dir, caplog):
     plain = LLM(model_dir, generation_config="vllm", **TINY_CONFIG)
     assert plain.get_default_sampling_params() == SamplingParams()
     assert texts(got) == texts(plain.generate(PROMPTS, AS_PARAMS, use_tqdm=False))
-    with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
-        LLM(model_dir, generation_config="no/such/folder", **TINY_CONFIG)
+    for bad in ("no/such/folder", None):
+        with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a"):
+            LLM(model_dir, generation_config=bad, **TINY_CONFIG)
+    with pytest.raises(TypeError):  # keyword only: vLLM's second positional is the tokenizer
+        LLM(model_dir, model_dir)
 
 
 def test_served_defaults_are_the_models(model_dir):
