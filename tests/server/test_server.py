@@ -199,8 +199,11 @@ def test_priority_orders_the_waiting_requests():
             done.append(name)
 
         threads = []
-        for name, priority, max_tokens, waiting in [("A", 0, 1500, 0), ("B", 5, 4, 1),
-                                                    ("C", -1, 4, 2)]:
+        # B and C long enough (200 steps) that the order their answers reach this process's
+        # threads is the order the server finished them (with 4 tokens each, a late thread
+        # once saw B's answer first)
+        for name, priority, max_tokens, waiting in [("A", 0, 1500, 0), ("B", 5, 200, 1),
+                                                    ("C", -1, 200, 2)]:
             threads.append(threading.Thread(target=send, args=(name, priority, max_tokens)))
             threads[-1].start()
             s.wait_until(lambda m, w=waiting: (m["nanoserve:num_requests_running"],
