@@ -2,10 +2,10 @@
 forward, process, repeat"), with requests that really arrive while others run; the layout is
 vLLM's entrypoints/openai: this file (the app), cli_args.py (the flags), protocol.py (the wire)
 and validation.py (its checks), one serving class per endpoint (serving_completion.py,
-serving_chat.py, serving_responses.py, sharing serving_engine.py; serving_tokenization.py), the
-engine thread that owns the `LLM` (engine_thread.py), the uvicorn server and its shutdown
-(launcher.py), the HTTP layer's limits (http_limits.py), and the helper process that checks big
-bodies first (body_checker.py).
+serving_chat.py, serving_responses.py, sharing serving_engine.py and choices.py;
+serving_tokenization.py), the engine thread that owns the `LLM` (engine_thread.py), the uvicorn
+server and its shutdown (launcher.py), the HTTP layer's limits (http_limits.py), and the helper
+process that checks big bodies first (body_checker.py).
 
     python -m nanoserve.serve [MODEL] --port 8000      (or: nanoserve serve [MODEL] ...)
 

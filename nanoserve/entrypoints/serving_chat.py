@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanoserve.entrypoints.choices import Choice
 from nanoserve.entrypoints.prompts import chat_prompts
 from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
-from nanoserve.entrypoints.serving_engine import Choice, OpenAIServing
+from nanoserve.entrypoints.serving_engine import OpenAIServing
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
 

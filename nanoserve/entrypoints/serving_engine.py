@@ -1,26 +1,24 @@
-"""§3-§4 served: what the completions and chat endpoints share (vLLM's OpenAIServing). A request
-is checked, tokenized on the tokenizer thread, handed to the engine thread, and answered whole or
-as server-sent events; `n` completions come back as choices 0..n-1 (a completions batch: those of
-prompt i as i * n ...). A client that disconnects, streaming or not, aborts its requests: their KV
-blocks are free at the next step. The subclasses
-(serving_completion.py, serving_chat.py) say only what differs: the prompt and the shapes."""
+"""§3-§4 served: what the completions, chat and Responses endpoints share (vLLM's OpenAIServing).
+A request is checked, tokenized on the tokenizer thread, handed to the engine thread, and
+answered whole or as server-sent events; `n` completions come back as choices 0..n-1 (a
+completions batch: those of prompt i as i * n ...; choices.py gathers them). A client that
+disconnects, streaming or not, aborts its requests: their KV blocks are free at the next step.
+The subclasses (serving_completion.py, serving_chat.py, serving_responses.py) say only what
+differs: the prompt and the shapes."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
-from nanoserve.entrypoints.engine_thread import Collector, EngineThread, ShuttingDown
-from nanoserve.entrypoints.outputs import CompletionOutput
+from nanoserve.entrypoints.choices import Batch, Choice
+from nanoserve.entrypoints.engine_thread import EngineThread, ShuttingDown
 from nanoserve.entrypoints.protocol import (
     APIError,
     StreamOptions,
@@ -34,51 +32,6 @@ from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, check_request
 from nanoserve.layers.sampler import Logprob
 from nanoserve.sampling_params import RequestOutputKind
-
-
-@dataclass
-class Choice:
-    """One completion's answer so far (choices[index])."""
-
-    texts: list[str] = field(default_factory=list)
-    num_tokens: int = 0
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_chars: int = 0  # of text already sent: where the next token's text starts
-    echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
-    error: str | None = None  # why, where finish_reason is "error"
-
-    def add(self, c: CompletionOutput) -> None:
-        self.texts.append(c.text)
-        self.num_tokens += len(c.token_ids)
-        self.logprobs += c.logprobs or []
-        self.finish_reason, self.stop_reason, self.error = c.finish_reason, c.stop_reason, c.error
-
-
-class Batch:
-    """The engine requests of one HTTP request (a completions batch; else one), read as one: their
-    collectors share a `ready` event, so the handler wakes for whichever has outputs."""
-
-    def __init__(self, num_prompts: int) -> None:
-        self.ready = asyncio.Event()
-        self.collectors = [Collector(self.ready) for _ in range(num_prompts)]
-        self.num_cached_tokens = 0  # the prefix cache's hit, summed over the finished prompts
-
-    async def outputs(self, n: int) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """Each completion's outputs as they come, with its choice index (vLLM's: prompt i's
-        completion j is i * n + j), until every request has finished."""
-        live = set(range(len(self.collectors)))
-        while live:
-            await self.ready.wait()
-            self.ready.clear()
-            for i in sorted(live):
-                for output in self.collectors[i].take():
-                    for c in output.outputs:
-                        yield i * n + c.index, c
-                    if output.finished:
-                        live.discard(i)
-                        self.num_cached_tokens += output.num_cached_tokens
 
 
 class OpenAIServing:

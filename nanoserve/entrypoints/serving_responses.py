@@ -16,9 +16,9 @@ import time
 import uuid
 from typing import Any
 
+from nanoserve.entrypoints.choices import Batch, Choice
 from nanoserve.entrypoints.protocol import APIError, ResponsesRequest, StreamOptions, error_event
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
-from nanoserve.entrypoints.serving_engine import Batch, Choice
 from nanoserve.entrypoints.validation import RESPONSES
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them

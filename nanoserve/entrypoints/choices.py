@@ -1,0 +1,58 @@
+"""§4 ("process outputs") served: one HTTP request's engine requests, read as one (`Batch`: a
+completions batch's prompts, else one), and each of its choices' answer so far (`Choice`), from
+which the serving classes (serving_engine.py) write the answer or the streamed chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanoserve.entrypoints.engine_thread import Collector
+from nanoserve.entrypoints.outputs import CompletionOutput
+from nanoserve.layers.sampler import Logprob
+
+
+@dataclass
+class Choice:
+    """One completion's answer so far (choices[index])."""
+
+    texts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_chars: int = 0  # of text already sent: where the next token's text starts
+    echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
+    error: str | None = None  # why, where finish_reason is "error"
+
+    def add(self, c: CompletionOutput) -> None:
+        self.texts.append(c.text)
+        self.num_tokens += len(c.token_ids)
+        self.logprobs += c.logprobs or []
+        self.finish_reason, self.stop_reason, self.error = c.finish_reason, c.stop_reason, c.error
+
+
+class Batch:
+    """The engine requests of one HTTP request (a completions batch; else one), read as one: their
+    collectors share a `ready` event, so the handler wakes for whichever has outputs."""
+
+    def __init__(self, num_prompts: int) -> None:
+        self.ready = asyncio.Event()
+        self.collectors = [Collector(self.ready) for _ in range(num_prompts)]
+        self.num_cached_tokens = 0  # the prefix cache's hit, summed over the finished prompts
+
+    async def outputs(self, n: int) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Each completion's outputs as they come, with its choice index (vLLM's: prompt i's
+        completion j is i * n + j), until every request has finished."""
+        live = set(range(len(self.collectors)))
+        while live:
+            await self.ready.wait()
+            self.ready.clear()
+            for i in sorted(live):
+                for output in self.collectors[i].take():
+                    for c in output.outputs:
+                        yield i * n + c.index, c
+                    if output.finished:
+                        live.discard(i)
+                        self.num_cached_tokens += output.num_cached_tokens
