@@ -504,6 +504,24 @@ def bundled_server():
     s.stop()
 
 
+def test_the_readmes_client_example_runs(bundled_server):
+    """The README's "Serve it" snippet, as written, against the bundled model served here (only
+    the port and the served name changed): it cannot drift from what the server answers."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    serve = readme[readme.index("## Serve it"):]
+    snippet = serve[serve.index("```python\n") + 10:serve.index("```\n", serve.index("```python"))]
+    assert "client.responses.create" in snippet and "completions.create" in snippet
+    printed: list[tuple] = []
+    names = {"print": lambda *args: printed.append(args)}
+    exec(snippet.replace("http://127.0.0.1:8000/v1", bundled_server.base + "/v1")
+         .replace('"SmolLM2-135M-Instruct"', '"m"'), names)
+    c, r = names["c"], names["r"]
+    assert printed == [(c.choices[0].text, r.output_text)]
+    assert 1 <= c.usage.completion_tokens <= 32 and 1 <= r.usage.output_tokens <= 32
+    assert r.output[0].content[0].text == r.output_text and r.status in ("completed",
+                                                                        "incomplete")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("content", ["Viết một câu chào bằng tiếng Việt có dấu.",
                                      "Reply with three emoji about food 🍜🍕"])
