@@ -126,19 +126,21 @@ def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
     return prompt_field if word == "prompt" else word if word in fields else None
 
 
-def chat_message(message: dict) -> dict:
-    """{"role", "content"}; content parts ({"type": "text", "text"}) are joined, as in vLLM. An
-    assistant message that made tool calls may have no content (OpenAI): it is "" here, and the
-    calls are left for a chat template that renders them."""
+def chat_message(message: dict, field: str = "messages", parts: tuple = ("text",),
+                 label: str = "messages") -> dict:
+    """{"role", "content"}; content parts ({"type": "text", "text"}; Responses: `parts`) are
+    joined, as in vLLM. An assistant message that made tool calls may have no content (OpenAI):
+    it is "" here, and the calls are left for a chat template that renders them. A bad one is a
+    400 naming `field`."""
     role, content = message.get("role"), message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts
                                          and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
     if not isinstance(role, str) or not isinstance(content, str):
-        raise APIError("messages must each have a string role and a text content, got "
-                       f"{message!r:.200}", "messages")
+        raise APIError(f"{label} must each have a string role and a text content, got "
+                       f"{message!r:.200}", field)
     return {**message, "role": role, "content": content}
 
 
@@ -171,21 +173,14 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
 
 
 def input_message(item: Any) -> dict:
-    """A Responses `input` item as a chat message: {"role", "content"}, content a text or text
-    parts ("input_text", or an earlier answer's "output_text"), joined."""
-    kind, role, content = (item.get("type", "message"), item.get("role"), item.get("content")) \
-        if isinstance(item, dict) else (None, None, None)
-    if kind != "message":
+    """A Responses `input` item as a chat message (chat_message's), its text parts "input_text"
+    or an earlier answer's "output_text"; only its role and content go to the template."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
         raise APIError(f"input items must be messages (nanoserve serves text, no tools), got "
                        f"{item!r:.200}", "input")
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-            and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise APIError(f"input messages must each have a string role and a text content, got "
-                       f"{item!r:.200}", "input")
-    return {"role": role, "content": content}
+    message = chat_message({"role": item.get("role"), "content": item.get("content")}, "input",
+                           ("input_text", "output_text"), "input messages")
+    return {"role": message["role"], "content": message["content"]}
 
 
 def responses_prompt(req: ResponsesRequest) -> list[dict]:
