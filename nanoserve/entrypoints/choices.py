@@ -41,6 +41,7 @@ class Batch:
         self.ready = asyncio.Event()
         self.collectors = [Collector(self.ready) for _ in range(num_prompts)]
         self.num_cached_tokens = 0  # the prefix cache's hit, summed over the finished prompts
+        self.tasks: list[asyncio.Task] = []  # beam searches, whose rounds add the requests
 
     async def outputs(self, n: int) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Each completion's outputs as they come, with its choice index (vLLM's: prompt i's

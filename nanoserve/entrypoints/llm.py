@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanoserve.config import EngineConfig, flash_attn_missing
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request import FinishReason, Request, RequestStatus
+from nanoserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
@@ -268,6 +269,11 @@ class LLM(LLMEngine):
         prompts = chat_prompts(messages, self.tokenizer, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's `params.beam_width` best sequences (beam_search.py)."""
+        return beam_search(self, prompts, params)
 
     def _output(self, req: Request) -> RequestOutput:
         d = (self._detokenizers.pop if req.is_finished else self._detokenizers.get)(req.request_id)

@@ -28,6 +28,7 @@ from nanoserve.entrypoints.protocol import (
     sse,
     usage_of,
 )
+from nanoserve.entrypoints.serving_beam_search import beam_search_params, start_beam_searches
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, check_request
 from nanoserve.layers.sampler import Logprob
@@ -83,8 +84,12 @@ class OpenAIServing:
         req = check_request(body, self.endpoint)
         inputs = await self.to_engine_inputs(req)
         batch, streaming = Batch(len(inputs)), False
-        for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
-            self.engine.add(collector, prompt_ids, params, req.priority)
+        if searches := beam_search_params(req, inputs):
+            start_beam_searches(self, batch, inputs, searches, req.priority)
+        else:
+            for collector, (params, prompt_ids) in zip(batch.collectors, inputs):
+                self.engine.add(collector, prompt_ids, params, req.priority)
+        params = inputs[0][0]  # the request's (its prompts' differ only in max_tokens)
         prompt_lens = [len(ids) for _, ids in inputs]
         try:
             for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
@@ -137,6 +142,8 @@ class OpenAIServing:
         return APIError(str(error), param_of(str(error), fields, self.endpoint.prompt_field))
 
     def abort(self, batch: Batch) -> None:
+        for task in batch.tasks:
+            task.cancel()
         for collector in batch.collectors:  # a no-op for one finished or never accepted
             self.engine.abort(collector)
 

@@ -46,7 +46,7 @@ MAX_STOP_TOKEN_IDS = 256
 
 # field -> its values that change nothing. Anything else is a 400 naming the field.
 NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
-         "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+         "best_of": (None, 1),
          "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
          "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
          "allowed_token_ids": (None,), "bad_words": (None, []),
@@ -60,7 +60,8 @@ NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"
               "documents": (None,), "modalities": (None, ["text"])}
 
 # /v1/responses: one answer, text only, nothing stored to continue from
-NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "tools": (None, []),
+NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
+                   "length_penalty": (None, 1, 1.0), "tools": (None, []),
                    "tool_choice": (None, "none", "auto"), "previous_response_id": (None,),
                    "background": (None, False), "prompt": (None,), "reasoning": (None,),
                    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),

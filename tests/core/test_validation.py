@@ -19,6 +19,7 @@ import pytest
 
 import nanoserve.engine.model_runner as model_runner
 from nanoserve import LLM, SamplingParams
+from nanoserve.entrypoints.beam_search import BeamSearchParams
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
 
 MAX_MODEL_LEN = 64
@@ -148,6 +149,18 @@ REQUEST_CASES = [
      r"chat_template must be a str \(a Jinja template\) or None, got dict"),
     ("one bad prompt among good ones (generate)",
      lambda llm: llm.generate(["hello", [5, VOCAB_SIZE], "world"], GREEDY, use_tqdm=False),
+     rf"token ids must be in \[0, {VOCAB_SIZE}\)"),
+    ("beam_search: beam_width 11", lambda llm: llm.beam_search(["hi"], BeamSearchParams(11, 4)),
+     r"beam_width must be an integer in \[1, 10\], got 11"),
+    ("beam_search: length_penalty NaN",
+     lambda llm: llm.beam_search(["hi"], BeamSearchParams(2, 4, length_penalty=NAN)),
+     r"length_penalty must be a finite number, got nan"),
+    ("beam_search: params is a dict", lambda llm: llm.beam_search(["hi"], {"beam_width": 2}),
+     r"params must be a BeamSearchParams, got dict"),
+    ("beam_search: prompts is a str", lambda llm: llm.beam_search("hi", BeamSearchParams(2, 4)),
+     r"prompts must be a list of prompts, got str"),
+    ("one bad prompt among good ones (beam_search)",
+     lambda llm: llm.beam_search(["hello", [5, VOCAB_SIZE]], BeamSearchParams(2, 4)),
      rf"token ids must be in \[0, {VOCAB_SIZE}\)"),
 ]
 

@@ -41,3 +41,16 @@ def test_the_counts_the_readme_states_are_the_trees():
 
 def test_the_readme_is_short():
     assert len(README.read_text().splitlines()) <= 350
+
+
+def test_the_readmes_use_example_runs():
+    """The "Use" snippet, as written, on the bundled model: it cannot drift from the API."""
+    use = README.read_text()[README.read_text().index("## Use"):]
+    start = use.index("```python\n") + len("```python\n")
+    printed: list[tuple] = []
+    names = {"print": lambda *args: printed.append(args)}
+    exec(use[start:use.index("```\n", start)], names)
+    out, b = names["out"], names["b"]
+    assert [len(o.outputs) for o in names["outputs"]] == [1, 1] and len(out.outputs) == 3
+    assert len(b.sequences) == 4 and b.sequences[0].text.startswith("The sea is")
+    assert printed[-1][0].num_running == printed[-1][0].num_waiting == 0  # llm.stats()
