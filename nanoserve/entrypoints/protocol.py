@@ -61,6 +61,7 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     priority: int = 0  # --scheduling-policy priority: smaller is served first (vLLM's field)
     use_beam_search: bool = False  # n is the beam width (serving_beam_search.py)
     length_penalty: float = 1.0  # a beam's score: its logprob over its length to this power
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
 
 
 class CompletionRequest(SamplingRequest):
@@ -216,3 +217,13 @@ def usage_of(num_prompt: int, num_completion: int, num_cached: int | None = None
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion} | (
         {} if num_cached is None else {"prompt_tokens_details": {"cached_tokens": num_cached}})
+
+
+def truncation(k: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens to keep (None: all)."""
+    if k is None:
+        return None
+    if k == -1 or 1 <= k <= max_model_len:
+        return max_model_len if k == -1 else k
+    raise APIError(f"truncate_prompt_tokens must be -1 (the context), or in [1, {max_model_len}] "
+                   f"(max_model_len), got {k}", "truncate_prompt_tokens")

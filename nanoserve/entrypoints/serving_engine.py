@@ -26,6 +26,7 @@ from nanoserve.entrypoints.protocol import (
     error_event,
     param_of,
     sse,
+    truncation,
     usage_of,
 )
 from nanoserve.entrypoints.serving_beam_search import beam_search_params, start_beam_searches
@@ -193,11 +194,13 @@ class OpenAIServing:
                 message = name + message[len(field_name):]  # the field as the client sent it
             raise APIError(message, name) from None
         prompts = [(p, self.endpoint.num_chars(p)) for p in self.endpoint.prompts_of(req)]
-        for _, num_chars in prompts:
+        keep = truncation(req.truncate_prompt_tokens, self.max_model_len)
+        for _, num_chars in prompts * (keep is None):  # (a truncated text may be longer)
             check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
         inputs = []
         for prompt, num_chars in prompts:
             ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
+            ids = ids if keep is None else ids[-keep:]
             if len(ids) >= self.max_model_len:
                 raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this "
                                f"model's maximum context length is {self.max_model_len} tokens",

@@ -48,7 +48,7 @@ MAX_STOP_TOKEN_IDS = 256
 NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
          "best_of": (None, 1),
          "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-         "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+         "prompt_logprobs": (None,),
          "allowed_token_ids": (None,), "bad_words": (None, []),
          "response_format": (None, {"type": "text"}), "guided_json": (None,),
          "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -61,7 +61,8 @@ NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"
 
 # /v1/responses: one answer, text only, nothing stored to continue from
 NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
-                   "length_penalty": (None, 1, 1.0), "tools": (None, []),
+                   "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
+                   "tools": (None, []),
                    "tool_choice": (None, "none", "auto"), "previous_response_id": (None,),
                    "background": (None, False), "prompt": (None,), "reasoning": (None,),
                    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
@@ -202,3 +203,4 @@ def check_prompt_length(endpoint: Endpoint, num_chars: int, longest: int,
         raise APIError(f"{endpoint.prompt_field} has {num_chars} characters, so at least "
                        f"{fewest} tokens: this model's maximum context length is "
                        f"{max_model_len} tokens", endpoint.prompt_field)
+

@@ -338,6 +338,10 @@ BAD = [  # (change to GOOD, status, param)
     ({"seed": -1}, 400, "seed"),
     ({"priority": 1}, 400, "priority"),  # this server schedules fcfs
     ({"priority": "1"}, 400, "priority"),
+    ({"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, 400, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "3"}, 400, "truncate_prompt_tokens"),
 ]
 
 
@@ -382,6 +386,26 @@ def test_bad_chat_requests(server):
         r = post(server, "/v1/chat/completions", json.dumps(body))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert r.json()["error"]["message"].startswith(param), r.text  # the name sent, not ours
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    """vLLM's: the last k tokens of each prompt; a text longer than the context may be sent."""
+    client = server.client()
+    prompt = list(range(100, 140))
+    kept = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 5})
+    alone = client.completions.create(model="m", prompt=prompt[-5:], max_tokens=4, temperature=0)
+    assert kept.choices[0].text == alone.choices[0].text and kept.usage.prompt_tokens == 5
+    long = client.completions.create(model="m", prompt="hello " * 4000, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": 5})
+    assert long.usage.prompt_tokens == 5
+    whole = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 40
+    messages = [{"role": "user", "content": "Say something long enough."}]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
+                                          temperature=0, extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens(server):
