@@ -67,7 +67,7 @@ from nanoserve.entrypoints.validation import (
 
 class Server:
     def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, tool_call_parser: str | None = None) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
         self.draining = False  # shutting down: new requests get a 503
@@ -75,7 +75,8 @@ class Server:
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
-        serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details)
+        serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details,
+                   tool_call_parser)
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
         self.responses = OpenAIServingResponses(*serving)
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details)
+    server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details,
+                    args.tool_call_parser if args.enable_auto_tool_choice else None)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoserve.entrypoints.engine_thread import Collector
 from nanoserve.entrypoints.outputs import CompletionOutput
@@ -25,6 +26,7 @@ class Choice:
     num_chars: int = 0  # of text already sent: where the next token's text starts
     echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
     error: str | None = None  # why, where finish_reason is "error"
+    parser: Any = None  # reads the tool calls out of its text (chat's: tool_parser.py)
 
     def add(self, c: CompletionOutput) -> None:
         self.texts.append(c.text)

@@ -16,6 +16,7 @@ from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
+from nanoserve.entrypoints.tool_parser import PARSERS
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
 
@@ -39,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read the model's tool calls into tool_calls (tool_choice auto)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the format the model writes calls in (with --enable-auto-tool-choice)")
     p.add_argument("--allowed-origins", type=json.loads, default=None,
                    help='CORS, a JSON list (vLLM\'s; e.g. \'["*"]\'); default: no CORS headers')
     p.add_argument("--allow-credentials", action="store_true")
@@ -85,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model is not None and args.model != args.model_flag:
             p.error(f"two models: {args.model} and --model {args.model_flag}")
         args.model = args.model_flag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
     return args
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.entrypoints.protocol import APIError, chat_message
+from nanoserve.entrypoints.tool_parser import template_messages
 from nanoserve.utils import as_token_id
 
 Prompt = str | list[int] | dict
@@ -77,7 +78,7 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
     prompts = []
     for conversation in messages:
         try:
-            conversation = [chat_message(m) for m in conversation]
+            conversation = template_messages([chat_message(m) for m in conversation])
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,

@@ -80,6 +80,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # the chat template's options, as vLLM takes them
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # shown to the model by the chat template
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
 
 
 class ResponsesRequest(SamplingRequest):
@@ -109,6 +111,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # as chat's
     return_token_strs: bool = False
 
 
@@ -169,10 +172,11 @@ def completion_chars(prompt: Any) -> int:
 def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The one prompt of a chat request: the messages (checked here, on the event loop) and the
     chat template's options, prompts.chat_prompts' arguments."""
+    tools = {"tools": check_tools(req.tools)} if req.tools else {}  # the template's argument
     return [{"messages": [chat_message(m) for m in req.messages],
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
-            "chat_template_kwargs": req.chat_template_kwargs}]
+            "chat_template_kwargs": {**(req.chat_template_kwargs or {}), **tools} or None}]
 
 
 def input_message(item: Any) -> dict:
@@ -227,3 +231,14 @@ def truncation(k: int | None, max_model_len: int) -> int | None:
         return max_model_len if k == -1 else k
     raise APIError(f"truncate_prompt_tokens must be -1 (the context), or in [1, {max_model_len}] "
                    f"(max_model_len), got {k}", "truncate_prompt_tokens")
+
+
+def check_tools(tools: list) -> list:
+    """OpenAI's tools: each {"type": "function", "function": {"name": ..., ...}}."""
+    for tool in tools:
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                function.get("name"), str):
+            raise APIError(f'tools must each be {{"type": "function", "function": {{"name": '
+                           f'...}}}}, got {tool!r:.200}', "tools")
+    return tools

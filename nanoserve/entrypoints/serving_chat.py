@@ -1,6 +1,7 @@
 """POST /v1/chat/completions (vLLM's OpenAIServingChat): messages through the model's chat
-template, the answer as an assistant message (streamed: a role chunk, then content deltas), and
-`logprobs` / `top_logprobs` as the chat API shapes them."""
+template, the answer as an assistant message (streamed: a role chunk, then content deltas), its
+tool calls read out of its text (tool_parser.py), and `logprobs` / `top_logprobs` as the chat API
+shapes them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 from nanoserve.entrypoints.choices import Choice
 from nanoserve.entrypoints.prompts import chat_prompts
-from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
+from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, check_tools, param_of
 from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.entrypoints.tool_parser import HermesToolParser
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
 
@@ -47,11 +49,40 @@ class OpenAIServingChat(OpenAIServing):
             return "max_completion_tokens"
         return "top_logprobs" if field_name == "logprobs" else field_name
 
+    def tool_parser_of(self, req: ChatCompletionRequest) -> type[HermesToolParser] | None:
+        """vLLM's rules: tool_choice "auto" (the default with tools) reads the calls, with
+        --enable-auto-tool-choice; "none" renders the tools but reads nothing; a forced call
+        ("required", a named function) would need structured outputs, which nanoserve has not."""
+        check_tools(req.tools or [])  # their shape first, as the template will take them
+        choice = req.tool_choice if req.tool_choice is not None else (
+            "auto" if req.tools else "none")
+        if choice == "none" or (choice == "auto" and not req.tools):
+            return None
+        if choice != "auto":
+            raise APIError(f'tool_choice must be "auto" or "none" (a forced call needs structured '
+                           f'outputs, which nanoserve has not), got {choice!r:.100}', "tool_choice")
+        if self.tool_call_parser is None:
+            raise APIError('tool_choice "auto" needs the server started with '
+                           '--enable-auto-tool-choice and --tool-call-parser', "tool_choice")
+        return HermesToolParser
+
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
                delta: bool) -> dict:
-        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        calls, finish = [], choice.finish_reason
+        if choice.parser is not None:  # the calls out of the text, as they complete
+            text, calls = choice.parser.feed(text, final=finish is not None)
+            finish = "tool_calls" if finish and choice.parser.num_calls else finish
+        if delta:
+            message = {"content": text} if text or not calls else {}
+            message |= {"tool_calls": calls} if calls else {}
+        else:
+            message = {"role": "assistant", "content": text}
+            if choice.parser is not None:  # no text beside the calls: null, as vLLM's
+                message |= {"content": text if text.strip() or not calls else None,
+                            "tool_calls": [{k: v for k, v in c.items() if k != "index"}
+                                           for c in calls]}
         return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish, "stop_reason": choice.stop_reason}
 
     def first_chunks(self, head: dict, n: int) -> list[dict]:
         """vLLM's first chat chunk: the role, for each choice."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,9 +44,11 @@ class OpenAIServing:
     id_prefix: str
 
     def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
-                 longest_token: int, prompt_tokens_details: bool = False) -> None:
+                 longest_token: int, prompt_tokens_details: bool = False,
+                 tool_call_parser: str | None = None) -> None:
         self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
         self.prompt_tokens_details = prompt_tokens_details  # usage's cached_tokens (vLLM's flag)
+        self.tool_call_parser = tool_call_parser  # chat's, with --enable-auto-tool-choice
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
 
@@ -70,6 +73,10 @@ class OpenAIServing:
         """The choice's "logprobs" for these tokens (their text starts at char `offset`)."""
         raise NotImplementedError
 
+    def tool_parser_of(self, req: Any) -> Callable[[], Any] | None:
+        """What reads a choice's tool calls (chat's), or None; a 400 for tools it cannot take."""
+        return None
+
     def first_chunks(self, head: dict, n: int) -> list[dict]:
         return []
 
@@ -83,6 +90,7 @@ class OpenAIServing:
     async def create(self, body: dict) -> Response:
         """Check, hand the request to the engine, answer. Raises APIError."""
         req = check_request(body, self.endpoint)
+        parser = self.tool_parser_of(req)  # chat's tool calls, or None
         inputs = await self.to_engine_inputs(req)
         batch, streaming = Batch(len(inputs)), False
         if searches := beam_search_params(req, inputs):
@@ -98,15 +106,15 @@ class OpenAIServing:
                     raise self.refusal(error)
             # (once the engine took the token ids: their range is checked there)
             echoes = [echo for echo in await self.echoes(req, inputs) for _ in range(req.n)]
+            choices = [Choice(echo=echo, parser=parser and parser()) for echo in echoes]
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(batch, head, echoes, req.n, prompt_lens,
+                    self.stream(batch, head, choices, req.n, prompt_lens,
                                 req.stream_options or StreamOptions(), params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
-            choices = [Choice(echo=echo) for echo in echoes]
             async for index, c in batch.outputs(req.n):
                 choices[index].add(c)
         finally:
@@ -219,10 +227,9 @@ class OpenAIServing:
         """The request's name for an engine field (chat's top N is `top_logprobs`)."""
         return field_name
 
-    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int,
+    async def stream(self, batch: Batch, head: dict, choices: list[Choice], n: int,
                      prompt_lens: list[int], options: StreamOptions, num_logprobs: int | None):
         """Server-sent events as vLLM sends them; closing it (a disconnect) aborts."""
-        choices = [Choice(echo=echo) for echo in echoes]
         head = {**head, "object": self.chunk_object}
         # vLLM's continuous_usage_stats: every chunk also says its choice's usage so far (the
         # prompt's tokens are its own prompt's, in a batch)

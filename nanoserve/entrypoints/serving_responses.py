@@ -46,6 +46,9 @@ class OpenAIServingResponses(OpenAIServingChat):
     def max_tokens_of(self, req: ResponsesRequest) -> int | None:
         return req.max_output_tokens
 
+    def tool_parser_of(self, req: ResponsesRequest) -> None:
+        return None  # no tools here (validation.NO_OP_RESPONSES)
+
     def num_logprobs_of(self, req: ResponsesRequest) -> int | None:
         wanted = LOGPROBS in (req.include or [])
         if req.top_logprobs and not wanted:
@@ -110,10 +113,10 @@ class OpenAIServingResponses(OpenAIServingChat):
         return self.finished(head, choices[0], batch, num_prompt_tokens, num_logprobs,
                              f"msg_{uuid.uuid4().hex}")
 
-    async def stream(self, batch: Batch, head: dict, echoes: list[str], n: int,
+    async def stream(self, batch: Batch, head: dict, choices: list[Choice], n: int,
                      prompt_lens: list[int], options: StreamOptions, num_logprobs: int | None):
         """OpenAI's events for one message of one text part; closing it (a disconnect) aborts."""
-        choice, item_id, number = Choice(), f"msg_{uuid.uuid4().hex}", itertools.count()
+        [choice], item_id, number = choices, f"msg_{uuid.uuid4().hex}", itertools.count()
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
         try:
             yield event("response.created", next(number), response=head)

@@ -3,7 +3,7 @@ an APIError, a 400 naming the field (protocol.py's shape), never a 500 and never
 
 - The JSON itself: nesting depth, and strings that cannot be UTF-8 (a lone surrogate such as
   "\\ud800" is valid JSON but no tokenizer or response can take it).
-- Fields vLLM or OpenAI define that nanoserve cannot honour (logit_bias, tools, ...): accepted
+- Fields vLLM or OpenAI define that nanoserve cannot honour (logit_bias, min_p, ...): accepted
   only at their no-op values, else a 400 naming them; a field that changes results must never
   be ignored. Fields nobody defines are still ignored, as in vLLM.
 - The types: numbers are numbers (not bools, not strings), token ids are integers (pydantic's
@@ -54,8 +54,7 @@ NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0
          "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
          "structured_outputs": (None,)}
 NO_OP_COMPLETION = {**NO_OP, "suffix": (None, "")}
-NO_OP_CHAT = {**NO_OP, "tools": (None, []), "tool_choice": (None, "none", "auto"),
-              "functions": (None, []), "function_call": (None, "none", "auto"),
+NO_OP_CHAT = {**NO_OP, "functions": (None, []), "function_call": (None, "none", "auto"),
               "chat_template": (None,), "echo": (None, False),
               "documents": (None,), "modalities": (None, ["text"])}
 
@@ -85,7 +84,7 @@ COMPLETION = Endpoint(CompletionRequest, "prompt", NO_OP_COMPLETION, completion_
 CHAT = Endpoint(ChatCompletionRequest, "messages", NO_OP_CHAT, chat_prompt, chat_chars)
 RESPONSES = Endpoint(ResponsesRequest, "input", NO_OP_RESPONSES, responses_prompt, chat_chars)
 # /tokenize and /detokenize: no length bound (a text need not fit the context to be counted)
-TOKENIZE = Endpoint(TokenizeRequest, "prompt", {"tools": (None, []), "chat_template": (None,)},
+TOKENIZE = Endpoint(TokenizeRequest, "prompt", {"chat_template": (None,)},
                     tokenize_prompts, lambda prompt: 0)
 DETOKENIZE = Endpoint(DetokenizeRequest, "tokens", {}, lambda req: [], lambda prompt: 0)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only JSON escapes can make a surrogate

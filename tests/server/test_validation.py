@@ -56,7 +56,8 @@ BAD_FIELDS = [  # (change to GOOD, param)
     ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
 ]
 BAD_CHAT = [  # (change to CHAT, param)
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto"
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"), ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"max_completion_tokens": "2"}, "max_completion_tokens"),

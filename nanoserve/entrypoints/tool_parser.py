@@ -1,0 +1,92 @@
+"""Tool calls in a chat answer (vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`):
+the chat template shows the model the request's `tools`, and the model writes each call as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes format that Qwen2.5,
+Qwen3 and Hermes models are trained on). The answer's text is read back here into the message's
+`tool_calls`, as it comes: streamed, a call is sent whole once its closing tag has come, and
+text that may be the start of a tag is held back until it is known not to be."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+START, END = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)  # --tool-call-parser's choices
+
+
+class HermesToolParser:
+    """One choice's answer, fed in pieces: `feed` returns the content to send and the calls
+    completed; `final=True` with the last piece (an unclosed call is read up to the end)."""
+
+    def __init__(self) -> None:
+        self.buffer, self.in_call, self.num_calls = "", False, 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                i = self.buffer.find(START)
+                if i < 0:  # keep what could be the tag's beginning for the next piece
+                    keep = 0 if final else _partial_tag(self.buffer)
+                    content.append(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content.append(self.buffer[:i])
+                self.buffer, self.in_call = self.buffer[i + len(START):], True
+            j = self.buffer.find(END)
+            if j < 0 and not final:
+                break
+            body = self.buffer if j < 0 else self.buffer[:j]
+            self.buffer = "" if j < 0 else self.buffer[j + len(END):]
+            self.in_call = False
+            if (call := self._call(body)) is None:  # not a call after all: the text as written
+                content.append(START + body + ("" if j < 0 else END))
+            else:
+                calls.append(call)
+        return "".join(content), calls
+
+    def _call(self, body: str) -> dict | None:
+        """The OpenAI shape of one call, or None where the body is not one (vLLM's fields)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return None
+        arguments = data.get("arguments", {})
+        call = {"index": self.num_calls, "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                "type": "function", "function": {"name": data["name"], "arguments": (
+                    arguments if isinstance(arguments, str) else
+                    json.dumps(arguments, ensure_ascii=False))}}
+        self.num_calls += 1
+        return call
+
+
+def _partial_tag(text: str) -> int:
+    """How many of `text`'s last characters are START's first ones."""
+    return next((k for k in range(min(len(text), len(START) - 1), 0, -1)
+                 if START.startswith(text[-k:])), 0)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """An assistant message's tool calls with their `arguments` as objects, not JSON text: the
+    templates that render calls write them with `tojson` (vLLM turns them so, too)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and isinstance(calls, list):
+            m = {**m, "tool_calls": [_arguments_as_object(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _arguments_as_object(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function,
+                                         "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass
+    return call

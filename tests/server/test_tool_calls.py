@@ -1,0 +1,165 @@
+"""Tool calling (vLLM's --enable-auto-tool-choice --tool-call-parser hermes,
+nanoserve/entrypoints/tool_parser.py):
+- the parser without a model: calls read whole however the text is cut into pieces, text that
+  only looks like a tag's start sent on, a body that is not a call kept as text;
+- an assistant message's calls reach the chat template with their arguments as objects;
+- served, on the bundled model with a Hermes chat template and one example exchange: the model's
+  call comes back as `tool_calls` (finish_reason "tool_calls"), streamed or not, through the
+  real `openai` client, and the conversation goes on with the tool's answer;
+- tool_choice rules: "auto" needs the flags, a forced call is refused, "none" reads nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoserve.entrypoints.bundled import default_model_dir
+from nanoserve.entrypoints.tool_parser import HermesToolParser, template_messages
+from tests.server.harness import ServerProcess, post
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Hà Nội"}}\n</tool_call>'
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 11, 1000])
+def test_calls_are_read_whole_however_the_text_is_cut(size):
+    text = "Let me check. " + CALL + "\n" + CALL.replace("Hà Nội", "Huế") + " Done <tool"
+    parser, content, calls = HermesToolParser(), "", []
+    chunks = pieces(text, size)
+    for i, chunk in enumerate(chunks):
+        got, new = parser.feed(chunk, final=i == len(chunks) - 1)
+        content, calls = content + got, calls + new
+    assert content == "Let me check. \n Done <tool"  # a tag's start at the end: text after all
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [(0, "get_weather", {"city": "Hà Nội"}),
+                                (1, "get_weather", {"city": "Huế"})]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+
+
+def test_what_is_not_a_call_stays_text():
+    parser = HermesToolParser()
+    assert parser.feed("a <tool_cal", final=False) == ("a ", [])  # held back: maybe a tag
+    assert parser.feed("l>{not json}</tool_call> b <tool_call>{\"name\": 1}") == (
+        "<tool_call>{not json}</tool_call> b ", [])
+    assert parser.feed("", final=True) == ('<tool_call>{"name": 1}', [])  # unclosed, no call
+    unclosed = HermesToolParser().feed('<tool_call>{"name": "f"}', final=True)
+    assert unclosed[0] == "" and unclosed[1][0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+def test_a_messages_calls_reach_the_template_with_object_arguments():
+    calls = [{"id": "1", "type": "function",
+              "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    messages = [{"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "2", "tool_call_id": "1"}]
+    out = template_messages(messages)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert out[1] == messages[1] and calls[0]["function"]["arguments"] == '{"x": 1}'
+
+
+# -- served --------------------------------------------------------------------------------------
+
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. The tools: <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\nFor each call write "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+def exchange(city: str, i: int) -> list[dict]:
+    """A question, the model's call, the tool's answer, the model's reply."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "18 C, sunny"},
+            {"role": "assistant", "content": f"It is 18 C and sunny in {city}."}]
+
+
+# three exchanges that the small model can copy (with one, it answers without a call)
+EXAMPLE = [*exchange("Paris", 1), *exchange("Rome", 2), *exchange("Berlin", 3),
+           {"role": "user", "content": "What is the weather in London?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("tools") / "hermes.jinja"
+    template.write_text(TEMPLATE)
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "1024",
+                                            "--chat-template", str(template),
+                                            "--enable-auto-tool-choice",
+                                            "--tool-call-parser", "hermes"])
+    yield s
+    assert s.stop() == 0
+
+
+def test_the_models_call_comes_back_as_tool_calls(tool_server):
+    client = tool_server.client()
+    out = client.chat.completions.create(model="m", messages=EXAMPLE, tools=TOOLS,
+                                         temperature=0, max_tokens=60)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "London"}
+    streamed = list(client.chat.completions.create(
+        model="m", messages=EXAMPLE, tools=TOOLS, temperature=0, max_tokens=60, stream=True))
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    [[delta_call]] = [d.tool_calls for d in deltas if d.tool_calls]
+    assert (delta_call.index, delta_call.function.name, delta_call.function.arguments) == (
+        0, call.function.name, call.function.arguments)
+    assert "".join(d.content or "" for d in deltas).strip() == ""
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    # the conversation goes on with the tool's answer
+    follow = EXAMPLE + [choice.message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": "9 C, rain"}]
+    answer = client.chat.completions.create(model="m", messages=follow, tools=TOOLS,
+                                            temperature=0, max_tokens=30)
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content
+    assert not answer.choices[0].message.tool_calls
+
+
+def test_tool_choice_none_renders_the_tools_but_reads_nothing(tool_server):
+    body = {"model": "m", "messages": EXAMPLE, "tools": TOOLS, "tool_choice": "none",
+            "temperature": 0, "max_tokens": 60}
+    r = post(tool_server, "/v1/chat/completions", json.dumps(body))
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and "<tool_call>" in message["content"]
+    assert "tool_calls" not in message and r.json()["choices"][0]["finish_reason"] == "stop"
+    tokens = post(tool_server, "/tokenize", json.dumps({"model": "m", "messages": EXAMPLE,
+                                                        "tools": TOOLS})).json()["count"]
+    plain = post(tool_server, "/tokenize", json.dumps({"model": "m", "messages": EXAMPLE}))
+    assert tokens > plain.json()["count"]  # the tools are in the prompt
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
+    ({"tool_choice": 3}, "tool_choice")])
+def test_what_cannot_be_done_is_a_400_naming_it(tool_server, change, param):
+    body = {"model": "m", "messages": EXAMPLE, "tools": TOOLS, "max_tokens": 2, **change}
+    r = post(tool_server, "/v1/chat/completions", json.dumps(body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_without_the_flags_auto_is_a_400(server):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+            "max_tokens": 2}
+    r = post(server, "/v1/chat/completions", json.dumps(body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", json.dumps({**body, "tool_choice": "none"}))
+    assert r.status_code == 200
