@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from benchmarks.llamacpp_system import LlamaCpp  # noqa: E402
 from benchmarks.systems import SystemResult, assign_seats  # noqa: E402
 from benchmarks.vllm_system import VLLM, identical_requests, vllm_job, vllm_result  # noqa: E402
 from benchmarks.workloads import Job, Workload, poisson_arrivals  # noqa: E402
+from tests.common.tiny_model import tiny_model_dir  # noqa: E402
 
 VOCAB = 256
 LENGTHS = [3, 17, 5, 9, 2, 12, 7]  # skewed, so static batching must waste rows
@@ -227,3 +229,14 @@ def test_dtype_auto_goes_to_nanoserve_and_resolves_for_the_others():
     assert bench.parse_args(["--dtype", "auto"]).dtype == "auto"
     assert bench.concrete_dtype("bfloat16") == "bfloat16"
     assert bench.concrete_dtype("auto") in ("float32", "bfloat16")
+
+
+def test_beam_search_script_runs_nanoserve_on_the_tiny_model():
+    """scripts/bench/beam_search.py, one system: two timed searches, each prompt's best."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "beam_search.py"
+    out = subprocess.run([sys.executable, str(script), "--system", "nanoserve", "--model",
+                          tiny_model_dir(), "--beam-width", "2", "--max-tokens", "3"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert len(result["walls"]) == 2 and all(w > 0 for w in result["walls"])
+    assert len(result["best"]) == 8 and all(len(b) > 3 for b in result["best"])
