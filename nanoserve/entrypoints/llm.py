@@ -261,13 +261,14 @@ class LLM(LLMEngine):
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
         """generate() on conversations (vLLM's LLM.chat): `messages` is one conversation,
         [{"role": ..., "content": ...}, ...], or a list of them, each rendered by the model's
-        chat template (or `chat_template`, a Jinja template); one output a conversation, in
-        order."""
+        chat template (or `chat_template`, a Jinja template), `tools` shown by it; one output a
+        conversation, in order (a tool call stays text: the server reads them)."""
         prompts = chat_prompts(messages, self.tokenizer, add_generation_prompt,
-                               continue_final_message, chat_template_kwargs, chat_template)
+                               continue_final_message, chat_template_kwargs, chat_template, tools)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams

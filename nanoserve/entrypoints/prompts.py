@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, chat_message
+from nanoserve.entrypoints.protocol import APIError, chat_message, check_tools
 from nanoserve.entrypoints.tool_parser import template_messages
 from nanoserve.utils import as_token_id
 
@@ -53,7 +53,7 @@ def prompt_tokens(prompt: Prompt, tokenizer: Any) -> tuple[list[int], str | None
 
 def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
                  continue_final_message: bool, chat_template_kwargs: dict | None,
-                 chat_template: str | None = None) -> list[dict]:
+                 chat_template: str | None = None, tools: list | None = None) -> list[dict]:
     """One TokensPrompt a conversation, as vLLM's LLM.chat renders it: `messages` is one
     conversation ([{"role", "content"}, ...], content a str or text parts) or a list of them;
     `chat_template` a Jinja template in place of the model's (None: the model's)."""
@@ -72,6 +72,11 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError(f"chat_template must be a str (a Jinja template) or None, got "
                          f"{type(chat_template).__name__}")
+    if tools:  # OpenAI's, the chat template's `tools` argument
+        try:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": check_tools(tools)}
+        except APIError as e:
+            raise ValueError(str(e)) from None
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message must be False when add_generation_prompt is "
                          "True (vLLM's rule: one or the other)")

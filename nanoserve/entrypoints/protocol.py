@@ -172,11 +172,10 @@ def completion_chars(prompt: Any) -> int:
 def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The one prompt of a chat request: the messages (checked here, on the event loop) and the
     chat template's options, prompts.chat_prompts' arguments."""
-    tools = {"tools": check_tools(req.tools)} if req.tools else {}  # the template's argument
     return [{"messages": [chat_message(m) for m in req.messages],
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
-            "chat_template_kwargs": {**(req.chat_template_kwargs or {}), **tools} or None}]
+            "chat_template_kwargs": req.chat_template_kwargs, "tools": req.tools}]
 
 
 def input_message(item: Any) -> dict:
@@ -233,11 +232,11 @@ def truncation(k: int | None, max_model_len: int) -> int | None:
                    f"(max_model_len), got {k}", "truncate_prompt_tokens")
 
 
-def check_tools(tools: list) -> list:
-    """OpenAI's tools: each {"type": "function", "function": {"name": ..., ...}}."""
-    for tool in tools:
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+def check_tools(tools: object) -> list:
+    """OpenAI's tools: a list, each {"type": "function", "function": {"name": ..., ...}}."""
+    for tool in tools if isinstance(tools, list) else [tools]:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(
                 function.get("name"), str):
             raise APIError(f'tools must each be {{"type": "function", "function": {{"name": '
                            f'...}}}}, got {tool!r:.200}', "tools")

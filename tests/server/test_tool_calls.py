@@ -163,3 +163,19 @@ def test_without_the_flags_auto_is_a_400(server):
     assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", json.dumps({**body, "tool_choice": "none"}))
     assert r.status_code == 200
+
+
+def test_llm_chat_shows_the_tools_and_names_bad_ones():
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", max_model_len=1024)
+    try:
+        [out] = llm.chat(EXAMPLE, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False,
+                         chat_template=TEMPLATE, tools=TOOLS)
+        assert '"name": "get_weather"' in out.prompt and "<tools>" in out.prompt
+        assert out.text.startswith("<tool_call>")  # as served: the text before it is read
+        for bad in ("x", [{"type": "function"}], [3]):
+            with pytest.raises(ValueError, match="^tools must each be"):
+                llm.chat(EXAMPLE, tools=bad, chat_template=TEMPLATE, use_tqdm=False)
+    finally:
+        llm.shutdown()
