@@ -55,9 +55,6 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    repetition_penalty: float | None = None  # only "none" (1.0, 0.0) is supported
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     priority: int = 0  # --scheduling-policy priority: smaller is served first (vLLM's field)
     use_beam_search: bool = False  # n is the beam width (serving_beam_search.py)
     length_penalty: float = 1.0  # a beam's score: its logprob over its length to this power

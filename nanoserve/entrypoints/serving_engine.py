@@ -169,12 +169,6 @@ class OpenAIServing:
         """Each prompt's params and token ids. Every check that costs little first, on the event
         loop (the request's fields once, each prompt's length); then the tokenizer."""
         check_model(req.model, self.model_name)
-        for name, ok in (("repetition_penalty", req.repetition_penalty in (None, 1.0)),
-                         ("presence_penalty", req.presence_penalty in (None, 0.0)),
-                         ("frequency_penalty", req.frequency_penalty in (None, 0.0))):
-            if not ok:
-                raise APIError(f"{name} is not supported by nanoserve, got "
-                               f"{getattr(req, name)!r}", name)
         if req.priority != 0 and self.engine.llm.config.scheduling_policy != "priority":
             raise APIError(f"priority must be 0 unless the server runs --scheduling-policy "
                            f"priority (vLLM's rule), got {req.priority}", "priority")

@@ -46,6 +46,8 @@ MAX_STOP_TOKEN_IDS = 256
 
 # field -> its values that change nothing. Anything else is a 400 naming the field.
 NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0.0),
+         "repetition_penalty": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0),
+         "frequency_penalty": (None, 0, 0.0),
          "best_of": (None, 1),
          "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
          "prompt_logprobs": (None,),

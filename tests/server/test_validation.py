@@ -50,6 +50,9 @@ BAD_FIELDS = [  # (change to GOOD, param)
     ({"min_tokens": True}, "min_tokens"), ({"min_p": 0.1}, "min_p"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": True}, "frequency_penalty"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
     ({"stop": ["x" * (MAX_STOP_CHARS // 2 + 1)] * 2}, "stop"),
@@ -90,7 +93,8 @@ def test_chat_unsupported_fields_are_a_400(server, change, param):
 def test_no_op_values_of_unsupported_fields_are_accepted(server):
     for change in ({"logit_bias": None}, {"logit_bias": {}}, {"min_tokens": 0},
                    {"response_format": {"type": "text"}}, {"min_p": 0.0}, {"best_of": 1},
-                   {"stop": ["a"] * MAX_STOP_STRINGS}, {"temperature": 1}):
+                   {"stop": ["a"] * MAX_STOP_STRINGS}, {"temperature": 1},
+                   {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0}):
         r = post(server, "/v1/completions", json.dumps({**GOOD, **change}))
         assert r.status_code == 200, (change, r.text)
     for change in ({"tools": None}, {"tool_choice": "none"}, {"tools": []}):
