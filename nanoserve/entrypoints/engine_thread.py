@@ -67,7 +67,7 @@ class EngineThread:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Collector] = {}  # request_id -> its collector
         self.expired = False  # past --shutdown-timeout: what runs is aborted, no add accepted
-        self.num_expired = 0  # requests that expire() cut off
+        self.num_expired = 0  # requests that expire() cut off, or refused after it
         self.thread = threading.Thread(target=self.run, name="nanoserve-engine", daemon=True)
         self.thread.start()
 
@@ -106,7 +106,8 @@ class EngineThread:
                 for request_id in list(self.live):
                     self.llm.abort(request_id)
                 continue
-            if self.expired:
+            if self.expired:  # cut off too (a beam search's next round)
+                self.num_expired += 1
                 self._to_loop(_resolve, collector.accepted, ShuttingDown("the server is "
                                                                          "shutting down"))
                 continue

@@ -57,7 +57,9 @@ async def serve_beam_search(engine: EngineThread, tokenizers: TokenizerPool, col
                 return
             if not collector.accepted.done():
                 collector.accepted.set_result(None)
-            ended = CompletionOutput(0, "", [], "abort") if refused else None  # shutting down
+            if refused:  # shutting down: the round's others are aborted (below)
+                ended = CompletionOutput(0, "", [], "abort")
+                break
             entries = [None] * len(beams)
             async for i, c in round_.outputs(1):
                 ended = ended or (c if c.finish_reason in ("abort", "error") else None)

@@ -59,3 +59,22 @@ def test_past_the_shutdown_timeout_streams_end_with_an_error_then_done_and_exit_
     assert len(events["running"]) > 3  # it had streamed tokens before
     [r] = answers
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_a_beam_search_cut_off_at_shutdown_is_a_503_and_nothing_hangs():
+    """Past the timeout a search's round is aborted (or its next round refused): a 503."""
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--shutdown-timeout", "0.5"])
+    answers: list[httpx.Response] = []
+    body = {**LONG, "n": 2, "use_beam_search": True}
+    try:
+        thread = threading.Thread(target=lambda: answers.append(
+            httpx.post(s.base + "/v1/completions", json=body, timeout=30)))
+        thread.start()
+        s.wait_until(lambda m: m["nanoserve:generation_tokens_total"] >= 20)  # rounds ran
+        s.proc.send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert s.proc.wait(30) == 1
+    finally:
+        s.stop()
+    [r] = answers
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
