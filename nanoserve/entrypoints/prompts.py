@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, chat_message, check_tools
-from nanoserve.entrypoints.tool_parser import template_messages
+from nanoserve.entrypoints.protocol import APIError, chat_message
+from nanoserve.entrypoints.tool_parser import check_tools, template_messages
 from nanoserve.utils import as_token_id
 
 Prompt = str | list[int] | dict

@@ -91,6 +91,8 @@ class ResponsesRequest(SamplingRequest):
     max_output_tokens: int | None = None  # None: up to max_model_len
     include: list[str] | None = None  # "message.output_text.logprobs": each token's logprob
     top_logprobs: int | None = None  # with that include: the top N too
+    tools: list[dict[str, Any]] | None = None  # function tools, Responses' flat shape
+    tool_choice: str | dict[str, Any] | None = None  # as chat's
     store: bool = True  # as in vLLM without its store: nothing is kept, nothing to retrieve
     metadata: dict[str, str] | None = None  # handed back as given, as is `user`
     user: str | None = None
@@ -177,10 +179,21 @@ def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
 
 def input_message(item: Any) -> dict:
     """A Responses `input` item as a chat message (chat_message's), its text parts "input_text"
-    or an earlier answer's "output_text"; only its role and content go to the template."""
-    if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise APIError(f"input items must be messages (nanoserve serves text, no tools), got "
-                       f"{item!r:.200}", "input")
+    or an earlier answer's "output_text"; only its role and content go to the template. An
+    earlier answer's "function_call" is an assistant's tool call, a "function_call_output" the
+    tool's message, as chat's."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "function_call" and all(isinstance(item.get(k), str) for k in
+                                       ("call_id", "name", "arguments")):
+        return {"role": "assistant", "content": "", "tool_calls": [{
+            "id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}]}
+    if kind == "function_call_output" and all(isinstance(item.get(k), str) for k in
+                                              ("call_id", "output")):
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    if kind != "message":
+        raise APIError(f"input items must be messages, function calls (call_id, name, arguments) "
+                       f"or their outputs (call_id, output), got {item!r:.200}", "input")
     message = chat_message({"role": item.get("role"), "content": item.get("content")}, "input",
                            ("input_text", "output_text"), "input messages")
     return {"role": message["role"], "content": message["content"]}
@@ -194,7 +207,7 @@ def responses_prompt(req: ResponsesRequest) -> list[dict]:
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     return [{"messages": system + [input_message(m) for m in items],
              "add_generation_prompt": True, "continue_final_message": False,
-             "chat_template_kwargs": None}]
+             "chat_template_kwargs": None, "tools": req.tools}]  # (Responses' shape)
 
 
 def tokenize_prompts(req: TokenizeRequest) -> list:
@@ -228,13 +241,3 @@ def truncation(k: int | None, max_model_len: int) -> int | None:
     raise APIError(f"truncate_prompt_tokens must be -1 (the context), or in [1, {max_model_len}] "
                    f"(max_model_len), got {k}", "truncate_prompt_tokens")
 
-
-def check_tools(tools: object) -> list:
-    """OpenAI's tools: a list, each {"type": "function", "function": {"name": ..., ...}}."""
-    for tool in tools if isinstance(tools, list) else [tools]:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(
-                function.get("name"), str):
-            raise APIError(f'tools must each be {{"type": "function", "function": {{"name": '
-                           f'...}}}}, got {tool!r:.200}', "tools")
-    return tools

@@ -9,9 +9,9 @@ from typing import Any
 
 from nanoserve.entrypoints.choices import Choice
 from nanoserve.entrypoints.prompts import chat_prompts
-from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, check_tools, param_of
+from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
 from nanoserve.entrypoints.serving_engine import OpenAIServing
-from nanoserve.entrypoints.tool_parser import HermesToolParser
+from nanoserve.entrypoints.tool_parser import HermesToolParser, check_tools, tool_parser_for
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
 
@@ -50,21 +50,8 @@ class OpenAIServingChat(OpenAIServing):
         return "top_logprobs" if field_name == "logprobs" else field_name
 
     def tool_parser_of(self, req: ChatCompletionRequest) -> type[HermesToolParser] | None:
-        """vLLM's rules: tool_choice "auto" (the default with tools) reads the calls, with
-        --enable-auto-tool-choice; "none" renders the tools but reads nothing; a forced call
-        ("required", a named function) would need structured outputs, which nanoserve has not."""
-        check_tools(req.tools or [])  # their shape first, as the template will take them
-        choice = req.tool_choice if req.tool_choice is not None else (
-            "auto" if req.tools else "none")
-        if choice == "none" or (choice == "auto" and not req.tools):
-            return None
-        if choice != "auto":
-            raise APIError(f'tool_choice must be "auto" or "none" (a forced call needs structured '
-                           f'outputs, which nanoserve has not), got {choice!r:.100}', "tool_choice")
-        if self.tool_call_parser is None:
-            raise APIError('tool_choice "auto" needs the server started with '
-                           '--enable-auto-tool-choice and --tool-call-parser', "tool_choice")
-        return HermesToolParser
+        return tool_parser_for(check_tools(req.tools or []), req.tool_choice,
+                               self.tool_call_parser)
 
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
                delta: bool) -> dict:

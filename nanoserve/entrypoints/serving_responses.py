@@ -1,10 +1,11 @@
 """POST /v1/responses (vLLM's OpenAIServingResponses, for a text model): OpenAI's newer API over
-the same engine requests as the chat's (§3). The input, a text or messages, goes through the chat
-template as a chat's messages do; the answer is a "response" whose output is one assistant
-message. Streamed, it is OpenAI's typed events, numbered: the response created and in progress,
-the message and its text part added, the text's deltas, then each of them done, and the response
-completed (its status "incomplete" where max_output_tokens ended it, as vLLM sends it). Nothing
-is stored, as in vLLM without its store: a request cannot continue an earlier one by id
+the same engine requests as the chat's (§3). The input, a text or messages, goes through the
+chat template as a chat's messages do; the answer is a "response" whose output is one assistant
+message and, with function tools, the calls read out of its text (tool_parser.py). Streamed, it
+is OpenAI's typed events, numbered: the response created and in progress, the message and its
+text part added, the text's deltas, then each of them done, and the response completed (its
+status "incomplete" where max_output_tokens ended it, as vLLM sends it). Nothing is stored, as
+in vLLM without its store: a request cannot continue an earlier one by id
 (`previous_response_id` is a 400); a client sends the conversation, earlier output messages
 included, as `input`."""
 
@@ -17,8 +18,14 @@ import uuid
 from typing import Any
 
 from nanoserve.entrypoints.choices import Batch, Choice
-from nanoserve.entrypoints.protocol import APIError, ResponsesRequest, StreamOptions, error_event
+from nanoserve.entrypoints.protocol import (
+    APIError,
+    ResponsesRequest,
+    StreamOptions,
+    error_event,
+)
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
+from nanoserve.entrypoints.tool_parser import HermesToolParser, chat_tools, tool_parser_for
 from nanoserve.entrypoints.validation import RESPONSES
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for them
@@ -36,6 +43,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     endpoint = RESPONSES  # the prompt: `input` and `instructions`, as chat messages (protocol.py)
 
     def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
+        prompt = {**prompt, "tools": chat_tools(prompt["tools"])}  # as chat templates take them
         try:
             return super().tokenize(tokenizer, prompt)
         except APIError as e:  # what the template refused in the messages: the client's input
@@ -46,8 +54,9 @@ class OpenAIServingResponses(OpenAIServingChat):
     def max_tokens_of(self, req: ResponsesRequest) -> int | None:
         return req.max_output_tokens
 
-    def tool_parser_of(self, req: ResponsesRequest) -> None:
-        return None  # no tools here (validation.NO_OP_RESPONSES)
+    def tool_parser_of(self, req: ResponsesRequest) -> type[HermesToolParser] | None:
+        return tool_parser_for(chat_tools(req.tools) or [], req.tool_choice,
+                               self.tool_call_parser)
 
     def num_logprobs_of(self, req: ResponsesRequest) -> int | None:
         wanted = LOGPROBS in (req.include or [])
@@ -69,7 +78,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "temperature": self.default("temperature", req),
                 "top_p": self.default("top_p", req),
                 "top_logprobs": req.top_logprobs, "parallel_tool_calls": True,
-                "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
+                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+                "text": {"format": {"type": "text"}},
                 "truncation": "disabled", "previous_response_id": None, "reasoning": None,
                 "store": False, "background": False, "user": req.user}
 
@@ -78,11 +88,24 @@ class OpenAIServingResponses(OpenAIServingChat):
         value = getattr(req, name)
         return self.engine.llm.sampling_defaults.get(name, 1.0) if value is None else value
 
-    def message(self, item_id: str, choice: Choice, num_logprobs: int | None,
+    def message(self, item_id: str, text: str, choice: Choice, num_logprobs: int | None,
                 status: str) -> dict:
         """The output's assistant message, its text as one "output_text" part."""
         return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                "content": [self.text_part("".join(choice.texts), choice, num_logprobs)]}
+                "content": [self.text_part(text, choice, num_logprobs)]}
+
+    def read(self, choice: Choice) -> tuple[str, list[dict]]:
+        """The answer's text and, with tools, the calls read out of it (as chat's), each as a
+        "function_call" output item; streamed, the parser has read it all as it came."""
+        if choice.parser is None:
+            return "".join(choice.texts), []
+        if not choice.parser.done:
+            choice.parser.feed("".join(choice.texts), final=True)
+        return "".join(choice.parser.content), [
+            {"type": "function_call", "id": "fc_" + call["id"].rpartition("-")[2],
+             "call_id": call["id"], "name": call["function"]["name"],
+             "arguments": call["function"]["arguments"], "status": "completed"}
+            for call in choice.parser.calls]
 
     def text_part(self, text: str, choice: Choice, num_logprobs: int | None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [],
@@ -97,13 +120,14 @@ class OpenAIServingResponses(OpenAIServingChat):
         """The response once its one completion has finished: its status, output and usage."""
         status = STATUS.get(choice.finish_reason, "completed")
         incomplete = status == "incomplete"
-        message = self.message(item_id, choice, num_logprobs,
+        text, calls = self.read(choice)
+        message = self.message(item_id, text, choice, num_logprobs,
                                "incomplete" if incomplete else "completed")
         usage = {"input_tokens": num_prompt_tokens, "output_tokens": choice.num_tokens,
                  "total_tokens": num_prompt_tokens + choice.num_tokens,
                  "input_tokens_details": {"cached_tokens": batch.num_cached_tokens},
                  "output_tokens_details": {"reasoning_tokens": 0}}
-        return {**head, "status": status, "output": [message], "usage": usage,
+        return {**head, "status": status, "output": [message, *calls], "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "error": {"code": "server_error", "message": choice.error}
                 if status == "failed" else None}
@@ -122,28 +146,41 @@ class OpenAIServingResponses(OpenAIServingChat):
             yield event("response.created", next(number), response=head)
             yield event("response.in_progress", next(number), response=head)
             yield event("response.output_item.added", next(number), output_index=0,
-                        item={**self.message(item_id, choice, None, "in_progress"),
+                        item={**self.message(item_id, "", choice, None, "in_progress"),
                               "content": []})
             yield event("response.content_part.added", next(number), **where,
                         part=self.text_part("", choice, None))
             async for _, c in batch.outputs(1):
                 start = len(choice.logprobs)
                 choice.add(c)
-                if c.text:
+                delta = c.text
+                if choice.parser is not None and (c.text or c.finish_reason):
+                    delta, _ = choice.parser.feed(c.text, final=c.finish_reason is not None)
+                if delta:  # (with tools, text that may begin a call is held back)
                     yield event("response.output_text.delta", next(number), **where,
-                                delta=c.text, logprobs=self.token_logprobs(
+                                delta=delta, logprobs=self.token_logprobs(
                                     choice.logprobs[start:], num_logprobs))
             if choice.finish_reason == "abort":  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
                 return
             done = self.finished(head, choice, batch, prompt_lens[0], num_logprobs, item_id)
-            [message] = done["output"]
+            message, *calls = done["output"]
             [part] = message["content"]
             yield event("response.output_text.done", next(number), **where, text=part["text"],
                         logprobs=part["logprobs"])
             yield event("response.content_part.done", next(number), **where, part=part)
             yield event("response.output_item.done", next(number), output_index=0, item=message)
+            for index, call in enumerate(calls, 1):  # each whole, once its text has come
+                at = {"item_id": call["id"], "output_index": index}
+                yield event("response.output_item.added", next(number), output_index=index,
+                            item={**call, "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", next(number), **at,
+                            delta=call["arguments"])
+                yield event("response.function_call_arguments.done", next(number), **at,
+                            arguments=call["arguments"])
+                yield event("response.output_item.done", next(number), output_index=index,
+                            item=call)
             # vLLM's last event whatever the status (the response says it): the openai client's
             # stream helper hands back a final response only after a response.completed
             yield event("response.completed", next(number), response=done)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import uuid
 
+from nanoserve.entrypoints.protocol import APIError
+
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)  # --tool-call-parser's choices
 
@@ -20,6 +22,9 @@ class HermesToolParser:
 
     def __init__(self) -> None:
         self.buffer, self.in_call, self.num_calls = "", False, 0
+        self.content: list[str] = []  # all the text it let through, and all the calls read
+        self.calls: list[dict] = []
+        self.done = False  # fed its last piece
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
@@ -44,7 +49,10 @@ class HermesToolParser:
                 content.append(START + body + ("" if j < 0 else END))
             else:
                 calls.append(call)
-        return "".join(content), calls
+        self.content.append("".join(content))
+        self.calls += calls
+        self.done = final
+        return self.content[-1], calls
 
     def _call(self, body: str) -> dict | None:
         """The OpenAI shape of one call, or None where the body is not one (vLLM's fields)."""
@@ -90,3 +98,45 @@ def _arguments_as_object(call: object) -> object:
         except ValueError:
             pass
     return call
+
+
+def tool_parser_for(tools: list, tool_choice: object, parser: str | None
+                    ) -> type[HermesToolParser] | None:
+    """vLLM's rules: tool_choice "auto" (the default with tools) reads the calls, with
+    --enable-auto-tool-choice; "none" shows the tools but reads nothing; a forced call
+    ("required", a named function) would need structured outputs, which nanoserve has not."""
+    choice = tool_choice if tool_choice is not None else "auto" if tools else "none"
+    if choice == "none" or (choice == "auto" and not tools):
+        return None
+    if choice != "auto":
+        raise APIError(f'tool_choice must be "auto" or "none" (a forced call needs structured '
+                       f'outputs, which nanoserve has not), got {choice!r:.100}', "tool_choice")
+    if parser is None:
+        raise APIError('tool_choice "auto" needs the server started with '
+                       '--enable-auto-tool-choice and --tool-call-parser', "tool_choice")
+    return HermesToolParser
+
+
+def check_tools(tools: object) -> list:
+    """OpenAI's tools: a list, each {"type": "function", "function": {"name": ..., ...}}."""
+    for tool in tools if isinstance(tools, list) else [tools]:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(
+                function.get("name"), str):
+            raise APIError(f'tools must each be {{"type": "function", "function": {{"name": '
+                           f'...}}}}, got {tool!r:.200}', "tools")
+    return tools
+
+
+def chat_tools(tools: list | None) -> list | None:
+    """Responses' function tools ({"type": "function", "name", "description", "parameters"}) in
+    chat's shape, which chat templates take."""
+    if not tools:
+        return None
+    if not all(isinstance(t, dict) and t.get("type") == "function" and isinstance(
+            t.get("name"), str) for t in tools):
+        raise APIError(f'tools must each be {{"type": "function", "name": ...}} (nanoserve '
+                       f'serves function tools), got {tools!r:.200}', "tools")
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description",
+                                                              "parameters") if k in t}}
+            for t in tools]

@@ -63,8 +63,7 @@ NO_OP_CHAT = {**NO_OP, "functions": (None, []), "function_call": (None, "none", 
 # /v1/responses: one answer, text only, nothing stored to continue from
 NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
                    "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
-                   "tools": (None, []),
-                   "tool_choice": (None, "none", "auto"), "previous_response_id": (None,),
+                   "previous_response_id": (None,),
                    "background": (None, False), "prompt": (None,), "reasoning": (None,),
                    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
                    "conversation": (None,), "previous_response": (None,)}

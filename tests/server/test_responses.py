@@ -128,8 +128,10 @@ def test_logprobs_are_the_chats(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
     ({"input": [{"role": "user"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),

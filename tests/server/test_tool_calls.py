@@ -5,7 +5,8 @@ nanoserve/entrypoints/tool_parser.py):
 - an assistant message's calls reach the chat template with their arguments as objects;
 - served, on the bundled model with a Hermes chat template and one example exchange: the model's
   call comes back as `tool_calls` (finish_reason "tool_calls"), streamed or not, through the
-  real `openai` client, and the conversation goes on with the tool's answer;
+  real `openai` client, and the conversation goes on with the tool's answer; the Responses API
+  the same, its calls `function_call` items, its input taking them and their outputs back;
 - tool_choice rules: "auto" needs the flags, a forced call is refused, "none" reads nothing."""
 
 from __future__ import annotations
@@ -179,3 +180,49 @@ def test_llm_chat_shows_the_tools_and_names_bad_ones():
                 llm.chat(EXAMPLE, tools=bad, chat_template=TEMPLATE, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+# -- the Responses API's function tools ---------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather",
+                    "description": "The weather in a city now",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def as_input(messages: list[dict]) -> list[dict]:
+    """The chat EXAMPLE as Responses input items: calls and their outputs as items of their own."""
+    items = []
+    for m in messages:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return items
+
+
+def test_responses_read_the_call_into_a_function_call_item(tool_server):
+    client = tool_server.client()
+    r = client.responses.create(model="m", input=as_input(EXAMPLE), tools=RESPONSES_TOOLS,
+                                temperature=0, max_output_tokens=60)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "London"})
+    assert r.status == "completed" and r.output_text == "" and r.tools[0].name == "get_weather"
+    with client.responses.stream(model="m", input=as_input(EXAMPLE), tools=RESPONSES_TOOLS,
+                                 temperature=0, max_output_tokens=60) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    assert "response.output_text.delta" not in kinds  # the call's text was held, then read
+    [streamed] = [item for item in final.output if item.type == "function_call"]
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    follow = as_input(EXAMPLE) + [
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "9 C, rain"}]
+    answer = client.responses.create(model="m", input=follow, tools=RESPONSES_TOOLS,
+                                     temperature=0, max_output_tokens=30)
+    assert answer.output_text and [item.type for item in answer.output] == ["message"]
