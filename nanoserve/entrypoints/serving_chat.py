@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         calls, finish = [], choice.finish_reason
         if choice.parser is not None:  # the calls out of the text, as they complete
             text, calls = choice.parser.feed(text, final=finish is not None)
-            finish = "tool_calls" if finish and choice.parser.num_calls else finish
+            finish = "tool_calls" if finish and choice.parser.calls else finish
         if delta:
             message = {"content": text} if text or not calls else {}
             message |= {"tool_calls": calls} if calls else {}

@@ -21,14 +21,14 @@ class HermesToolParser:
     completed; `final=True` with the last piece (an unclosed call is read up to the end)."""
 
     def __init__(self) -> None:
-        self.buffer, self.in_call, self.num_calls = "", False, 0
+        self.buffer, self.in_call = "", False
         self.content: list[str] = []  # all the text it let through, and all the calls read
         self.calls: list[dict] = []
         self.done = False  # fed its last piece
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
-        content, calls = [], []
+        content, first = [], len(self.calls)
         while True:
             if not self.in_call:
                 i = self.buffer.find(START)
@@ -48,11 +48,10 @@ class HermesToolParser:
             if (call := self._call(body)) is None:  # not a call after all: the text as written
                 content.append(START + body + ("" if j < 0 else END))
             else:
-                calls.append(call)
+                self.calls.append(call)
         self.content.append("".join(content))
-        self.calls += calls
         self.done = final
-        return self.content[-1], calls
+        return self.content[-1], self.calls[first:]
 
     def _call(self, body: str) -> dict | None:
         """The OpenAI shape of one call, or None where the body is not one (vLLM's fields)."""
@@ -63,12 +62,10 @@ class HermesToolParser:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
         arguments = data.get("arguments", {})
-        call = {"index": self.num_calls, "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        return {"index": len(self.calls), "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
                 "type": "function", "function": {"name": data["name"], "arguments": (
                     arguments if isinstance(arguments, str) else
                     json.dumps(arguments, ensure_ascii=False))}}
-        self.num_calls += 1
-        return call
 
 
 def _partial_tag(text: str) -> int:
