@@ -128,8 +128,8 @@ def beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearch
     searches = []
     for prompt in prompts:  # every prompt checked before the first round
         ids, _ = prompt_tokens(prompt, llm.tokenizer)
-        llm.check_prompt(ids)
-        searches.append(BeamSearch(ids, params, llm.eos_token_ids,
+        llm.processor.check_prompt(ids)
+        searches.append(BeamSearch(ids, params, llm.processor.eos_token_ids,
                                    llm.scheduler.max_model_len_in_cache))
     while any(s.live() for s in searches):
         beams = [b for s in searches for b in s.live()]

@@ -1,15 +1,13 @@
 """The offline entry point (vLLM's `LLM`): text in, text out, around the chapter's loop
-(engine/llm_engine.py). `add_request` checks and tokenizes a prompt; `step()` is one turn of
-the loop, its outputs detokenized (a stop string ends its request, in the scheduler's stop check);
-`n` completions of one prompt are child requests gathered under its id (parallel_sampling.py);
-`generate()` is just "add every prompt, then step until nothing is left"."""
+(engine/llm_engine.py). `add_request` queues a prompt's Requests (input_processor.py checks and
+tokenizes it); `step()` is one turn of the loop, its outputs detokenized (a stop string ends its
+request, in the scheduler's stop check); `n` completions of one prompt are child requests
+gathered under its id (parallel_sampling.py); `generate()` is just "add every prompt, then step
+until nothing is left"."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
-import itertools
 import sys
 import time
 from collections.abc import Sequence
@@ -17,7 +15,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from nanoserve.config import EngineConfig, flash_attn_missing
 from nanoserve.engine.llm_engine import LLMEngine
@@ -27,11 +25,11 @@ from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.cpu_share import CoreShare
 from nanoserve.entrypoints.detokenizer import Detokenizer
 from nanoserve.entrypoints.generation_config import sampling_defaults
+from nanoserve.entrypoints.input_processor import InputProcessor
 from nanoserve.entrypoints.outputs import RequestOutput, request_output
 from nanoserve.entrypoints.parallel_sampling import ParentRequest
-from nanoserve.entrypoints.prompts import Prompt, chat_prompts, prompt_tokens
+from nanoserve.entrypoints.prompts import Prompt, chat_prompts
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
-from nanoserve.utils import as_token_id, is_int
 
 
 class LLM(LLMEngine):
@@ -49,10 +47,9 @@ class LLM(LLMEngine):
         super().__init__(model, EngineConfig(**config))
         self.tokenizer = None if self.config.skip_tokenizer_init else \
             AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""
-        self.eos_token_ids = self._eos_token_ids()
+        self.processor = InputProcessor(self, self.tokenizer)  # prompt -> Requests, checked
         self.scheduler.stop_string_in = self._stop_string_in
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them
-        self._ids = itertools.count()
         self._detokenizers: dict[str, Detokenizer] = {}  # of every unfinished request
         self._parents: dict[str, ParentRequest] = {}  # n > 1: parent id and child ids -> parent
         # On a CPU the team follows the cores other processes leave (cpu_share.py).
@@ -69,59 +66,10 @@ class LLM(LLMEngine):
         """The model's HF tokenizer (vLLM's LLM.get_tokenizer); None with skip_tokenizer_init."""
         return self.tokenizer
 
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids = [getattr(self.hf_config, "eos_token_id", None),
-               getattr(self.tokenizer, "eos_token_id", None)]  # None without a tokenizer
-        with contextlib.suppress(OSError):  # no generation_config.json
-            ids.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
-        return frozenset(i for x in ids for i in (x if isinstance(x, list) else [x])) - {None}
-
-    def _make_requests(self, prompt: Prompt, params: SamplingParams,
-                       priority: int) -> list[Request]:
-        """Validate everything and build the Request (n > 1: its n children); changes no engine
-        state."""
-        token_ids, text = prompt_tokens(prompt, self.tokenizer)
-        self.check_prompt(token_ids)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
-        params = copy.deepcopy(params)  # ours: the user's later changes have no effect
-        params.validate()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")
-        if not is_int(priority):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        request_id = str(next(self._ids))
-        children = [dataclasses.replace(params, n=1, seed=None if params.seed is None else
-                                        (params.seed + i) % 2**64) for i in range(params.n)]
-        return [Request(request_id if params.n == 1 else f"{i}_{request_id}", token_ids, child,
-                        self.eos_token_ids, priority=priority, prompt=text,
-                        generator=self._generator(child.seed)) for i, child in enumerate(children)]
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """A ValueError unless these ids can run here: in the vocabulary, within max_model_len,
-        and with one generated token within the whole KV cache."""
-        vocab, bm = self.vocab_size, self.scheduler.block_manager
-        if not token_ids:
-            raise ValueError("prompt must have at least 1 token, got 0")
-        if bad := [t for t in token_ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
-                             f"({self.config.max_model_len})")
-        if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
-            raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
-                             f"needs {needed} KV blocks, but the whole KV cache has "
-                             f"{bm.num_blocks} (num_kv_blocks) of {bm.block_size} tokens")
-
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        """A seeded request's own generator, on the device its tokens are sampled on."""
-        return None if seed is None else torch.Generator(self.config.device).manual_seed(seed)
-
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> str:
         """Queue one request (a str or token ids); returns its request_id."""
-        return self._add(self._make_requests(
+        return self._add(self.processor.make_requests(
             prompt, sampling_params or self.get_default_sampling_params(), priority))
 
     def _add(self, reqs: list[Request]) -> str:
@@ -206,24 +154,8 @@ class LLM(LLMEngine):
         """Generate for all prompts; outputs come back in input order. Outputs of requests
         added earlier with add_request() that finish meanwhile are kept for the next step().
         `priority`: one a prompt (vLLM's; scheduling_policy "priority": smaller first, §6.1)."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a str, a list of token ids, a prompt dict or a "
-                             f"list of those, got {type(prompts).__name__}")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries but there are "
-                                 f"{len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else priority
-        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
-            raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), "
-                             f"got {priority!r:.100}")
-        requests = [self._make_requests(*args) for args in zip(prompts, params, priority)]
+        requests = self.processor.make_batch(prompts, sampling_params, priority,
+                                             self.get_default_sampling_params())
         mine = []
         for reqs in requests:  # all validated: only now does engine state change
             for req in reqs:

@@ -44,7 +44,8 @@ async def serve_beam_search(engine: EngineThread, tokenizers: TokenizerPool, col
     """One prompt's search; its answer, one output of `n` completions, goes to `collector`, whose
     `accepted` says whether the engine took the first round. Cancelled: the round is aborted."""
     llm, start = engine.llm, time.time()
-    search = BeamSearch(prompt, params, llm.eos_token_ids, llm.scheduler.max_model_len_in_cache)
+    search = BeamSearch(prompt, params, llm.processor.eos_token_ids,
+                        llm.scheduler.max_model_len_in_cache)
     num_cached, round_, ended, answered = None, None, None, False
     try:
         while not ended and (beams := search.live()):

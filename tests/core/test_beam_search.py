@@ -124,7 +124,7 @@ def test_eos_finishes_a_sequence_and_its_score_is_hfs_logprob(bundled):
     prompt = prompts[2]
     for s in seqs:
         assert s.tokens[:len(prompt)] == prompt and s.text == llm.get_tokenizer().decode(s.tokens)
-        assert (s.tokens[-1] in llm.eos_token_ids) == (s.finish_reason == "stop")
+        assert (s.tokens[-1] in llm.processor.eos_token_ids) == (s.finish_reason == "stop")
         with torch.no_grad():
             logits = hf(torch.tensor([s.tokens])).logits[0, len(prompt) - 1:-1]
         hf_logprob = logits.log_softmax(-1).gather(

@@ -26,7 +26,7 @@ def expected(llm, prompts, params: BeamSearchParams) -> list[tuple[str, str]]:
     """Each choice's (text, finish_reason), from LLM.beam_search, as the server writes them."""
     out = []
     for prompt, result in zip(prompts, llm.beam_search(prompts, params)):
-        search = BeamSearch(prompt, params, llm.eos_token_ids, llm.config.max_model_len)
+        search = BeamSearch(prompt, params, llm.processor.eos_token_ids, llm.config.max_model_len)
         for seq in result.sequences:
             text_ids = search.generated(seq)[1]
             out.append((llm.get_tokenizer().decode(text_ids, skip_special_tokens=True),
