@@ -43,10 +43,12 @@ from nanoserve.entrypoints.cli_args import (
     engine_config,
     engine_threads,
     http_limits,
+    log_stats_interval,
     parse_args,
 )
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.launcher import UvicornServer
+from nanoserve.entrypoints.metrics import LoggingStatLogger
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
@@ -67,10 +69,12 @@ from nanoserve.entrypoints.validation import (
 
 class Server:
     def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
-                 prompt_tokens_details: bool = False, tool_call_parser: str | None = None) -> None:
+                 prompt_tokens_details: bool = False, tool_call_parser: str | None = None,
+                 log_stats_interval: float | None = 10.0) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
         self.draining = False  # shutting down: new requests get a 503
+        self.log_stats_interval = log_stats_interval  # vLLM's stat line (None: none)
         self.max_model_len = self.llm.config.max_model_len
         self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
@@ -99,7 +103,11 @@ class Server:
     async def lifespan(self, app: FastAPI):
         self.engine.loop = asyncio.get_running_loop()
         await self.bodies.start()
+        logger = None if self.log_stats_interval is None else asyncio.create_task(
+            LoggingStatLogger(self.engine.metrics, self.log_stats_interval).run())
         yield
+        if logger is not None:
+            logger.cancel()
         self.engine.stop()  # after uvicorn finished (or cancelled) the in-flight requests
         self.tokenizers.shutdown()
         await self.bodies.close()
@@ -191,6 +199,7 @@ async def _disconnected(request: Request) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = engine_config(args)
+    interval = None if args.disable_log_stats else log_stats_interval()
     num_threads = engine_threads(args.reserved_cpus)
     if num_threads is not None:  # before the CPU kernels' OpenMP starts (it reads the env)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
@@ -217,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
     server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details,
-                    args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    interval)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,

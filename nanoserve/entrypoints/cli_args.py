@@ -6,6 +6,7 @@ vLLM's names (engine_config: the LLM's settings from them); and the engine's thr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stat line on stderr every 10 s (NANOSERVE_LOG_STATS_INTERVAL)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's")
     p.add_argument("--generation-config", default="auto",
@@ -49,9 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-credentials", action="store_true")
     for flag in ("allowed-methods", "allowed-headers"):  # with --allowed-origins
         p.add_argument(f"--{flag}", type=json.loads, default=["*"])
-    for flag in ("disable-log-requests", "disable-log-stats", "trust-remote-code"):
-        # vLLM's, accepted as written in its command lines: nanoserve logs no requests or
-        # stats, and runs no model code but its own (an architecture it lacks is an error)
+    for flag in ("disable-log-requests", "trust-remote-code"):
+        # vLLM's, accepted as written in its command lines: nanoserve logs no requests, and
+        # runs no model code but its own (an architecture it lacks is an error)
         p.add_argument(f"--{flag}", action="store_true", help=argparse.SUPPRESS)
     limits = HttpLimits()  # the HTTP layer's bounds (http_limits.py); h11 names: vLLM's
     p.add_argument("--max-header-bytes", "--h11-max-incomplete-event-size", type=int,
@@ -121,6 +124,17 @@ def engine_threads(reserved: int) -> int | None:
     if not 0 <= reserved < cores:
         sys.exit(f"nanoserve serve: --reserved-cpus must be in [0, {cores}), got {reserved}")
     return cores - reserved
+
+
+def log_stats_interval() -> float:
+    """The stat line's period (metrics.py): NANOSERVE_LOG_STATS_INTERVAL seconds (vLLM's
+    VLLM_LOG_STATS_INTERVAL), 10 if unset."""
+    value = os.environ.get("NANOSERVE_LOG_STATS_INTERVAL", "10")
+    with contextlib.suppress(ValueError):
+        if 0 < (seconds := float(value)) < float("inf"):
+            return seconds
+    sys.exit(f"nanoserve serve: NANOSERVE_LOG_STATS_INTERVAL must be a number of seconds > 0, "
+             f"got {value!r}")
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:

@@ -1,7 +1,12 @@
 """The server's /metrics: vLLM's metric names, prefixed `nanoserve:`, updated by the engine thread
-after every step (§7's latencies: TTFT, TPOT, end to end)."""
+after every step (§7's latencies: TTFT, TPOT, end to end); and vLLM's stat log line, every 10 s
+while the engine works: the step loop's throughput and its queues (§6, §7) as they move."""
 
 from __future__ import annotations
+
+import asyncio
+import sys
+import time
 
 import prometheus_client as prom
 
@@ -33,9 +38,16 @@ class Metrics:
         self.e2e = prom.Histogram(p + "e2e_request_latency_seconds", "Arrival to finish",
                                   buckets=buckets, registry=self.registry)
         self.seen = (0, 0, 0)  # preemptions, queries, hits: counted up to here
+        # For the log line, read on the event loop: plain values, each replaced whole.
+        self.stats = llm.stats()
+        self.num_prompt_tokens = self.num_generation_tokens = 0  # computed, sampled: all steps
 
     def update(self, outputs: list[RequestOutput]) -> None:
         stats, bm = self.llm.stats(), self.llm.scheduler.block_manager
+        scheduled = self.llm.last_scheduler_output.scheduled
+        self.num_prompt_tokens += sum(s.num_new_tokens for s in scheduled if not s.is_decode)
+        self.num_generation_tokens += sum(s.samples for s in scheduled)
+        self.stats = stats
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
@@ -54,3 +66,40 @@ class Metrics:
                                     (self.e2e, out.metrics.e2e)):
                     if value is not None:
                         hist.observe(value)
+
+
+class LoggingStatLogger:
+    """vLLM's: every `interval` seconds (NANOSERVE_LOG_STATS_INTERVAL, vLLM's 10 by default) one
+    line on stderr: prompt tokens computed and tokens generated a second since the last line, the
+    running and waiting requests, the KV blocks in use, the prefix cache's hits since the last
+    line. An idle engine prints nothing after the line that shows it idle."""
+
+    def __init__(self, metrics: Metrics, interval: float) -> None:
+        self.metrics, self.interval = metrics, interval
+        self.last = self.snapshot(time.monotonic())
+        self.was_idle = True
+
+    def snapshot(self, now: float) -> tuple[float, int, int, int, int]:
+        m = self.metrics  # (the engine thread's numbers; the LLM itself is that thread's alone)
+        return (now, m.num_prompt_tokens, m.num_generation_tokens, m.seen[1], m.seen[2])
+
+    def line(self, now: float) -> str | None:
+        """The line for the time since the last one (None: idle then and now)."""
+        new = self.snapshot(now)
+        (seconds, prompt, generation, queries, hits), self.last = (
+            [b - a for a, b in zip(self.last, new)], new)
+        stats = self.metrics.stats
+        idle = not (prompt or generation or stats.num_running or stats.num_waiting)
+        if idle and self.was_idle:
+            return None
+        self.was_idle = idle
+        return (f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, Avg generation "
+                f"throughput: {generation / seconds:.1f} tokens/s, Running: {stats.num_running} "
+                f"reqs, Waiting: {stats.num_waiting} reqs, KV cache usage: "
+                f"{stats.kv_cache_usage:.1%}, Prefix cache hit rate: {hits / max(queries, 1):.1%}")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            if (line := self.line(time.monotonic())) is not None:
+                print(f"nanoserve: {line}", file=sys.stderr, flush=True)

@@ -30,7 +30,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, flags: list[str], name: str = "m") -> None:
+    def __init__(self, model: str, flags: list[str], name: str = "m",
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         # The log to a file: a pipe nobody reads would block the server once 64 KiB are in it.
@@ -38,7 +39,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanoserve.serve", model, "--port", str(self.port),
              "--served-model-name", name, *flags], cwd=ROOT,
-            stdout=fd, stderr=subprocess.STDOUT, text=True)
+            stdout=fd, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         os.close(fd)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
