@@ -5,7 +5,9 @@ replacement, what it breaks and the rule (chapter section or sampling knob) it v
 They are planted one at a time into a temporary copy of the working tree (the tree itself
 is never touched) and the fast tests run against each; a mutant is "killed" when a test
 fails. A mutant whose snippet no longer occurs in the source is reported "stale": update
-its snippet after the code it targets changes.
+its snippet after the code it targets changes (tests/support/test_mutants.py fails first). A
+mutant whose code cannot run on this CPU (the AMX GEMM's, without AMX: its tests skip) is not
+run and is named as such, not counted as a survivor.
 
     python scripts/dev/mutate.py            # every mutant against the fast tests (minutes)
     python scripts/dev/mutate.py --full     # then the whole suite, slow tests too, on survivors
@@ -32,6 +34,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanoserve.utils.cpu import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 # Model-free tests first, then those that build a tiny LLM: with -x the first failing test
@@ -116,6 +120,7 @@ class Mutant:
     replacement: str
     description: str
     rule: str
+    needs: str | None = None  # a CPU flag the code needs to run at all (its tests skip without)
 
 
 MUTANTS = [
@@ -405,11 +410,11 @@ MUTANTS = [
            "_mm256_loadu_si256((const __m256i*)bias + g)), 16));",
            "_mm256_loadu_si256((const __m256i*)bias)), 16));",
            "the AMX GEMM adds the first 16 columns' bias to every column group",
-           "§1: the AMX GEMM equals nn.Linear"),
+           "§1: the AMX GEMM equals nn.Linear", needs="amx_bf16"),
     Mutant("amx_third_block_reuses_the_first", AMX,
            "_tile_loadd(5, a + 32 * x_stride, x_stride);", "_tile_loadd(5, a, x_stride);",
            "the AMX GEMM's rows 32-47 get rows 0-15's sums",
-           "§1: the AMX GEMM equals nn.Linear"),
+           "§1: the AMX GEMM equals nn.Linear", needs="amx_bf16"),
     Mutant("dot_fp32_tail_unmasked_lane", DOT32,
            "const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);",
            "const __mmask16 mask = (__mmask16)((1u << (K - k)) - 2);",
@@ -673,7 +678,9 @@ def main() -> int:
             path = tree / m.file
             source = path.read_text()
             count = source.count(m.original)
-            if count != 1:
+            if m.needs is not None and m.needs not in cpu_flags():
+                rows.append((m, "untestable here", f"needs {m.needs}, which this CPU lacks", 0.0))
+            elif count != 1:
                 why = "snippet not found" if count == 0 else f"snippet found {count} times"
                 rows.append((m, "stale", why, 0.0))
             else:
@@ -694,13 +701,16 @@ def main() -> int:
                   flush=True)
 
     print_table(rows)
-    live = [r for r in rows if r[1] != "stale"]
+    live = [r for r in rows if r[1] not in ("stale", "untestable here")]
     killed_fast = sum(r[1] in ("killed", "timeout") for r in live)
     killed_all = sum(r[1] != "survived" and r[1] != "error" for r in live)
     print(f"\nscore (fast tests): {killed_fast}/{len(live)} killed "
           f"({100 * killed_fast / max(len(live), 1):.0f}%)")
     if args.full:
         print(f"score (whole suite): {killed_all}/{len(live)} killed")
+    untestable = [r[0].name for r in rows if r[1] == "untestable here"]
+    if untestable:
+        print(f"not run (their code cannot run on this CPU): {', '.join(untestable)}")
     stale = [r[0].name for r in rows if r[1] == "stale"]
     if stale:
         print(f"stale (update their snippets): {', '.join(stale)}")
