@@ -27,12 +27,29 @@ class Choice:
     echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
     error: str | None = None  # why, where finish_reason is "error"
     parser: Any = None  # reads the tool calls out of its text (chat's: tool_parser.py)
+    as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (return_tokens_as_token_ids)
+    prompt_ids: list[int] | None = None  # return_token_ids: its prompt's, sent in the first chunk
+    token_ids: list[int] = field(default_factory=list)  # its tokens so far
+    new_ids: list[int] = field(default_factory=list)  # the last output's
+    sent_first: bool = False  # a (streamed) choice was written for it: prompt_ids are sent
 
     def add(self, c: CompletionOutput) -> None:
         self.texts.append(c.text)
         self.num_tokens += len(c.token_ids)
+        self.new_ids = list(c.token_ids)
+        self.token_ids += self.new_ids
         self.logprobs += c.logprobs or []
         self.finish_reason, self.stop_reason, self.error = c.finish_reason, c.stop_reason, c.error
+
+
+def choices_of(req: Any, inputs: list[tuple[Any, list[int]]], echoes: list[str],
+               parser: Any) -> list[Choice]:
+    """A request's choices, `n` a prompt (`inputs`: each prompt's params and ids; `echoes`: the
+    text each prompt's choices start with; `parser`: what makes a choice's tool-call parser)."""
+    return [Choice(echo=echo, parser=parser and parser(),
+                   as_token_ids=bool(req.return_tokens_as_token_ids),
+                   prompt_ids=ids if req.return_token_ids else None)
+            for echo, (_, ids) in zip(echoes, inputs) for _ in range(req.n)]
 
 
 class Batch:

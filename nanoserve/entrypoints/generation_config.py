@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from transformers import GenerationConfig
+
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 # generation_config.json's names -> SamplingParams' (HF's max_new_tokens is vLLM's max_tokens)
 APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -36,3 +39,17 @@ def sampling_defaults(source: str, model_dir: str) -> dict:
     # (HF's top_k 0 is off, as SamplingParams' None)
     return {ours: given[name] for name, ours in APPLIED.items()
             if given.get(name) is not None and not (name == "top_k" and given[name] == 0)}
+
+
+def request_params(req: Any, defaults: dict, max_tokens: int, logprobs: int | None
+                   ) -> SamplingParams:
+    """A server request's SamplingParams: what it sets, over `defaults` (the model's recommended,
+    sampling_defaults' less max_tokens) for what it leaves unset, output as deltas (streamed).
+    ValueError names the engine's field (the server answers with the request's name for it)."""
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
+             if getattr(req, name) is not None}
+    return SamplingParams(**{**defaults, **given}, seed=req.seed, max_tokens=max_tokens,
+                          stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          output_kind=RequestOutputKind.DELTA)

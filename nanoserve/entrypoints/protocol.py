@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -59,6 +59,10 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     use_beam_search: bool = False  # n is the beam width (serving_beam_search.py)
     length_penalty: float = 1.0  # a beam's score: its logprob over its length to this power
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
+    truncation_side: Literal["left", "right"] | None = None  # "right": keep its first k instead
+    request_id: str | None = None  # the answer's id is the prefix and it (vLLM's)
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
 
 
 class CompletionRequest(SamplingRequest):
@@ -66,6 +70,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None  # the top N per token (0: the sampled token's only)
     echo: bool = False
+    add_special_tokens: bool = True  # the tokenizer's (a BOS, for some), as vLLM's
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -79,6 +84,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # shown to the model by the chat template
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
+    add_special_tokens: bool = False  # on the rendered text: the template writes them
 
 
 class ResponsesRequest(SamplingRequest):
@@ -93,6 +99,7 @@ class ResponsesRequest(SamplingRequest):
     top_logprobs: int | None = None  # with that include: the top N too
     tools: list[dict[str, Any]] | None = None  # function tools, Responses' flat shape
     tool_choice: str | dict[str, Any] | None = None  # as chat's
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat's
     store: bool = True  # as in vLLM without its store: nothing is kept, nothing to retrieve
     metadata: dict[str, str] | None = None  # handed back as given, as is `user`
     user: str | None = None
@@ -207,7 +214,7 @@ def responses_prompt(req: ResponsesRequest) -> list[dict]:
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     return [{"messages": system + [input_message(m) for m in items],
              "add_generation_prompt": True, "continue_final_message": False,
-             "chat_template_kwargs": None, "tools": req.tools}]  # (Responses' shape)
+             "chat_template_kwargs": req.chat_template_kwargs, "tools": req.tools}]
 
 
 def tokenize_prompts(req: TokenizeRequest) -> list:

@@ -32,8 +32,13 @@ class OpenAIServingChat(OpenAIServing):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
-        return render(tokenizer, prompt)["prompt_token_ids"]
+    def tokenize(self, tokenizer: Any, prompt: dict, req: ChatCompletionRequest) -> list[int]:
+        """The rendered conversation's ids; add_special_tokens (vLLM's, False by default: the
+        template writes them) encodes its text with the tokenizer's own added (a BOS, for some)."""
+        rendered = render(tokenizer, prompt)
+        if getattr(req, "add_special_tokens", False):  # (Responses have none)
+            return tokenizer.encode(rendered["prompt"], add_special_tokens=True)
+        return rendered["prompt_token_ids"]
 
     def max_tokens_of(self, req: ChatCompletionRequest) -> int | None:
         # as vLLM: max_completion_tokens, OpenAI's name now, over the deprecated max_tokens
@@ -68,21 +73,31 @@ class OpenAIServingChat(OpenAIServing):
                 message |= {"content": text if text.strip() or not calls else None,
                             "tool_calls": [{k: v for k, v in c.items() if k != "index"}
                                            for c in calls]}
+        ids = {} if choice.prompt_ids is None else {  # return_token_ids (the prompt's: above)
+            "token_ids": choice.new_ids if delta else choice.token_ids}
         return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
-                "finish_reason": finish, "stop_reason": choice.stop_reason}
+                "finish_reason": finish, "stop_reason": choice.stop_reason, **ids}
 
-    def first_chunks(self, head: dict, n: int) -> list[dict]:
-        """vLLM's first chat chunk: the role, for each choice."""
-        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]}
-                for i in range(n)]
+    def first_chunks(self, head: dict, choices: list[Choice]) -> list[dict]:
+        """vLLM's first chat chunk: the role, for each choice (the first: the prompt's ids)."""
+        return [{**head, **(self.prompt_fields(choices) if i == 0 else {}), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}]} for i in range(len(choices))]
 
-    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
-        """Each token's text, logprob and bytes, and the `num` most likely tokens'."""
-        def item(e: Logprob) -> dict:
-            return {"token": e.decoded_token, "logprob": max(e.logprob, -9999.0),
-                    "bytes": list(e.decoded_token.encode("utf-8"))}
+    def prompt_fields(self, choices: list[Choice]) -> dict:
+        """return_token_ids: the prompt's ids, once in the answer (one prompt a chat)."""
+        ids = choices[0].prompt_ids if choices else None
+        return {} if ids is None else {"prompt_token_ids": ids}
 
-        return {"content": [{**item(next(iter(entry.values()))), "top_logprobs": [
-            item(e) for e in sorted(entry.values(), key=lambda e: e.rank) if e.rank <= num]}
-            for entry in entries]}
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int,
+                 as_ids: bool = False) -> dict:
+        """Each token's text (as_ids: "token_id:N"), logprob and bytes, and the `num` most
+        likely tokens'."""
+        def item(token: int, e: Logprob) -> dict:
+            shown = f"token_id:{token}" if as_ids else e.decoded_token
+            return {"token": shown, "logprob": max(e.logprob, -9999.0),
+                    "bytes": list(shown.encode("utf-8"))}
+
+        return {"content": [{**item(*next(iter(entry.items()))), "top_logprobs": [
+            item(t, e) for t, e in sorted(entry.items(), key=lambda te: te[1].rank)
+            if e.rank <= num]} for entry in entries]}

@@ -19,9 +19,11 @@ class OpenAIServingCompletion(OpenAIServing):
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
+    def tokenize(self, tokenizer: Any, prompt: Any, req: CompletionRequest) -> list[int]:
         """Token ids pass through (the engine checks their range)."""
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        return prompt
 
     def num_logprobs_of(self, req: CompletionRequest) -> int | None:
         if req.echo and req.logprobs is not None:  # vLLM's would hold the prompt's logprobs
@@ -42,17 +44,24 @@ class OpenAIServingCompletion(OpenAIServing):
                delta: bool) -> dict:
         out = {"index": index, "text": text, "logprobs": logprobs,
                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        if choice.prompt_ids is not None:  # return_token_ids: the prompt's in the first chunk
+            first, choice.sent_first = not choice.sent_first, True  # (and with `echo`, its
+            echoed = choice.prompt_ids if first and choice.echo else []  # ids before the tokens')
+            out |= {"prompt_token_ids": choice.prompt_ids if first else None,
+                    "token_ids": echoed + (choice.new_ids if delta else choice.token_ids)}
         return out if delta else {**out, "prompt_logprobs": None}
 
-    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
-        """Each token's text, logprob and offset, and its top `num` (the sampled one too)."""
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int,
+                 as_ids: bool = False) -> dict:
+        """Each token's text, logprob and offset (in the text, whatever as_ids shows), and its
+        top `num` (the sampled one too)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
             sampled = next(iter(entry.values()))  # the sampled token comes first
-            tokens.append(sampled.decoded_token)
+            shown = {t: f"token_id:{t}" if as_ids else e.decoded_token for t, e in entry.items()}
+            tokens.append(shown[next(iter(entry))])
             token_logprobs.append(max(sampled.logprob, -9999.0))
-            top_logprobs.append({e.decoded_token: max(e.logprob, -9999.0)
-                                 for e in entry.values()})
+            top_logprobs.append({shown[t]: max(e.logprob, -9999.0) for t, e in entry.items()})
             offsets.append(offset)
             offset += len(sampled.decoded_token)
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,

@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
-from nanoserve.entrypoints.choices import Batch, Choice
+from nanoserve.entrypoints.choices import Batch, Choice, choices_of
 from nanoserve.entrypoints.engine_thread import EngineThread, ShuttingDown
+from nanoserve.entrypoints.generation_config import request_params
 from nanoserve.entrypoints.protocol import (
     APIError,
     StreamOptions,
@@ -34,7 +35,6 @@ from nanoserve.entrypoints.serving_beam_search import beam_search_params, start_
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, check_request
 from nanoserve.layers.sampler import Logprob
-from nanoserve.sampling_params import RequestOutputKind
 
 
 class OpenAIServing:
@@ -54,7 +54,7 @@ class OpenAIServing:
 
     # -- what the endpoints define -------------------------------------------------------
 
-    def tokenize(self, tokenizer: Any, prompt: Any) -> list[int]:
+    def tokenize(self, tokenizer: Any, prompt: Any, req: Any) -> list[int]:
         """On a tokenizer thread, with that thread's tokenizer."""
         raise NotImplementedError
 
@@ -69,16 +69,22 @@ class OpenAIServing:
         """A choice of the answer, or (delta) of a streamed chunk, with this text."""
         raise NotImplementedError
 
-    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int) -> dict:
-        """The choice's "logprobs" for these tokens (their text starts at char `offset`)."""
+    def logprobs(self, entries: list[dict[int, Logprob]], offset: int, num: int,
+                 as_ids: bool = False) -> dict:
+        """The choice's "logprobs" for these tokens (their text starts at char `offset`); as_ids:
+        each token shown as "token_id:N" (vLLM's return_tokens_as_token_ids)."""
         raise NotImplementedError
 
     def tool_parser_of(self, req: Any) -> Callable[[], Any] | None:
         """What reads a choice's tool calls (chat's), or None; a 400 for tools it cannot take."""
         return None
 
-    def first_chunks(self, head: dict, n: int) -> list[dict]:
+    def first_chunks(self, head: dict, choices: list[Choice]) -> list[dict]:
         return []
+
+    def prompt_fields(self, choices: list[Choice]) -> dict:
+        """What the answer (and the first chunk) says of the prompt beside its choices."""
+        return {}
 
     async def echoes(self, req: Any, inputs: list[tuple[SamplingParams, list[int]]]
                      ) -> list[str]:
@@ -105,8 +111,7 @@ class OpenAIServing:
                 if (error := await collector.accepted) is not None:
                     raise self.refusal(error)
             # (once the engine took the token ids: their range is checked there)
-            echoes = [echo for echo in await self.echoes(req, inputs) for _ in range(req.n)]
-            choices = [Choice(echo=echo, parser=parser and parser()) for echo in echoes]
+            choices = choices_of(req, inputs, await self.echoes(req, inputs), parser)
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
@@ -126,15 +131,16 @@ class OpenAIServing:
 
     def head(self, req: Any) -> dict:
         """What the answer, and each streamed chunk, starts with."""
-        return {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "object": self.object_name,
-                "created": int(time.time()), "model": self.model_name}
+        return {"id": f"{self.id_prefix}-{req.request_id or uuid.uuid4().hex}",
+                "object": self.object_name, "created": int(time.time()), "model": self.model_name}
 
     def answer(self, head: dict, choices: list[Choice], batch: Batch, num_prompt_tokens: int,
                num_logprobs: int | None) -> dict:
         """The whole answer, once every choice has finished."""
-        return {**head, "choices": [self.choice(i, c, c.echo + "".join(c.texts),
-                                                self.logprobs_or_none(c.logprobs, 0, num_logprobs),
-                                                delta=False) for i, c in enumerate(choices)],
+        return {**head, **self.prompt_fields(choices), "choices": [
+            self.choice(i, c, c.echo + "".join(c.texts),
+                        self.logprobs_or_none(c, c.logprobs, 0, num_logprobs), delta=False)
+            for i, c in enumerate(choices)],
                 "usage": usage_of(num_prompt_tokens, sum(c.num_tokens for c in choices),
                                   self.num_cached(batch))}
 
@@ -162,8 +168,9 @@ class OpenAIServing:
             return APIError("the server is shutting down (--shutdown-timeout passed)", None, 503)
         return APIError("the engine failed while running the request", None, 500)
 
-    def logprobs_or_none(self, entries: list, offset: int, num: int | None) -> dict | None:
-        return None if num is None else self.logprobs(entries, offset, num)
+    def logprobs_or_none(self, choice: Choice, entries: list, offset: int, num: int | None
+                         ) -> dict | None:
+        return None if num is None else self.logprobs(entries, offset, num, choice.as_token_ids)
 
     async def to_engine_inputs(self, req: Any) -> list[tuple[SamplingParams, list[int]]]:
         """Each prompt's params and token ids. Every check that costs little first, on the event
@@ -177,16 +184,9 @@ class OpenAIServing:
         # SamplingParams' own defaults
         defaults = dict(self.engine.llm.sampling_defaults)
         most = defaults.pop("max_tokens", None)  # with max_tokens unset: at most this many
-        given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k")
-                 if getattr(req, name) is not None}
         try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
-            params = SamplingParams(
-                **{**defaults, **given}, seed=req.seed,
-                max_tokens=1 if max_tokens is None else max_tokens,
-                stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                ignore_eos=req.ignore_eos, logprobs=self.num_logprobs_of(req),
-                output_kind=RequestOutputKind.DELTA)
+            params = request_params(req, defaults, 1 if max_tokens is None else max_tokens,
+                                    self.num_logprobs_of(req))
         except ValueError as e:
             engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
             field_name = param_of(str(e), set(type(req).model_fields) | engine_fields,
@@ -201,8 +201,10 @@ class OpenAIServing:
             check_prompt_length(self.endpoint, num_chars, self.longest_token, self.max_model_len)
         inputs = []
         for prompt, num_chars in prompts:
-            ids = await self.tokenizers.run(self.tokenize, prompt, num_chars)
-            ids = ids if keep is None else ids[-keep:]
+            ids = await self.tokenizers.run(lambda tokenizer, prompt: self.tokenize(
+                tokenizer, prompt, req), prompt, num_chars)
+            if keep is not None:  # vLLM's truncation_side: "left" (None) drops the first tokens
+                ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
             if len(ids) >= self.max_model_len:
                 raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this "
                                f"model's maximum context length is {self.max_model_len} tokens",
@@ -229,20 +231,20 @@ class OpenAIServing:
         # prompt's tokens are its own prompt's, in a batch)
         every = options.include_usage and options.continuous_usage_stats
         try:
-            for i, chunk in enumerate(self.first_chunks(head, len(choices))):
+            for i, chunk in enumerate(self.first_chunks(head, choices)):
                 yield sse({**chunk, "usage": usage_of(prompt_lens[i // n], 0)} if every
                           else chunk)
             async for index, c in batch.outputs(n):
                 choice, start = choices[index], len(choices[index].logprobs)
                 choice.add(c)
                 if c.text or c.token_ids or c.finish_reason:
-                    text, choice.echo = choice.echo + c.text, ""  # the echo with the first
-                    logprobs = self.logprobs_or_none(choice.logprobs[start:], choice.num_chars,
-                                                     num_logprobs)
+                    text = choice.echo + c.text  # the echo with the first (cleared below)
+                    logprobs = self.logprobs_or_none(choice, choice.logprobs[start:],
+                                                     choice.num_chars, num_logprobs)
                     yield sse({**head, "choices": [
                         self.choice(index, choice, text, logprobs, delta=True)], **({"usage":
                         usage_of(prompt_lens[index // n], choice.num_tokens)} if every else {})})
-                    choice.num_chars += len(text)
+                    choice.num_chars, choice.echo = choice.num_chars + len(text), ""
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)

@@ -42,10 +42,10 @@ def event(kind: str, number: int, **data: Any) -> str:
 class OpenAIServingResponses(OpenAIServingChat):
     endpoint = RESPONSES  # the prompt: `input` and `instructions`, as chat messages (protocol.py)
 
-    def tokenize(self, tokenizer: Any, prompt: dict) -> list[int]:
+    def tokenize(self, tokenizer: Any, prompt: dict, req: ResponsesRequest) -> list[int]:
         prompt = {**prompt, "tools": chat_tools(prompt["tools"])}  # as chat templates take them
         try:
-            return super().tokenize(tokenizer, prompt)
+            return super().tokenize(tokenizer, prompt, req)
         except APIError as e:  # what the template refused in the messages: the client's input
             if e.param == "messages":
                 e.param = "input"
@@ -70,7 +70,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     def head(self, req: ResponsesRequest) -> dict:
         """The response as it starts (no output yet), the request's settings in it."""
-        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+        return {"id": req.request_id or f"resp_{uuid.uuid4().hex}", "object": "response",
                 "created_at": int(time.time()), "model": self.model_name,
                 "status": "in_progress", "output": [], "usage": None, "error": None,
                 "incomplete_details": None, "instructions": req.instructions,

@@ -54,11 +54,14 @@ NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0
          "allowed_token_ids": (None,), "bad_words": (None, []),
          "response_format": (None, {"type": "text"}), "guided_json": (None,),
          "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-         "structured_outputs": (None,)}
+         "structured_outputs": (None,), "prompt_embeds": (None,), "logprob_token_ids": (None, []),
+         "repetition_detection": (None,), "thinking_token_budget": (None, -1),
+         "watermarking": (None, False), "cache_salt": (None,)}
 NO_OP_COMPLETION = {**NO_OP, "suffix": (None, "")}
 NO_OP_CHAT = {**NO_OP, "functions": (None, []), "function_call": (None, "none", "auto"),
               "chat_template": (None,), "echo": (None, False),
-              "documents": (None,), "modalities": (None, ["text"])}
+              "documents": (None,), "modalities": (None, ["text"]),
+              "return_prompt_text": (None, False)}
 
 # /v1/responses: one answer, text only, nothing stored to continue from
 NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
@@ -66,7 +69,10 @@ NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
                    "previous_response_id": (None,),
                    "background": (None, False), "prompt": (None,), "reasoning": (None,),
                    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
-                   "conversation": (None,), "previous_response": (None,)}
+                   "conversation": (None,), "previous_response": (None,),
+                   "truncation_side": (None,), "return_token_ids": (None, False),
+                   "return_tokens_as_token_ids": (None, False), "max_tool_calls": (None,),
+                   "previous_input_messages": (None,), "enable_response_messages": (None, False)}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ runs derandomized (profile "mutate" in tests/conftest.py), so results are reprod
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -35,9 +36,16 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.utils.cpu import cpu_flags
-
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def cpu_flags() -> frozenset[str]:
+    """nanoserve/utils/cpu.py's, loaded from its file: importing the package here would make
+    every run's `import nanoserve` this tree's, not the mutated copy's."""
+    spec = importlib.util.spec_from_file_location("mutate_cpu", ROOT / "nanoserve/utils/cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_flags()
 # Model-free tests first, then those that build a tiny LLM: with -x the first failing test
 # ends the run. A mutant's own module's tests go first (see `ordered`).
 FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py",
@@ -53,7 +61,8 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "nanoserve_accel/tests/test_fast_path.py",
               "tests/server/test_engine_thread.py", "tests/server/test_validation.py",
               "tests/server/test_forwarding.py", "tests/server/test_attacks.py",
-              "tests/server/test_shutdown.py", "tests/server/test_server.py"]
+              "tests/server/test_shutdown.py", "tests/server/test_server.py",
+              "tests/server/test_token_ids.py"]
 A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -81,7 +90,10 @@ FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "tes
               E + "api_server.py": [SRV + "test_server.py", SRV + "test_attacks.py",
                                     SRV + "test_shutdown.py"],
               E + "serving_engine.py": [SRV + "test_forwarding.py", SRV + "test_validation.py"],
-              E + "serving_completion.py": [SRV + "test_forwarding.py"],
+              E + "serving_completion.py": [SRV + "test_forwarding.py", SRV + "test_token_ids.py"],
+              E + "serving_chat.py": [SRV + "test_token_ids.py"],
+              E + "choices.py": [SRV + "test_token_ids.py"],
+              E + "generation_config.py": [SRV + "test_forwarding.py"],
               E + "protocol.py": [SRV + "test_forwarding.py"],
               E + "launcher.py": [SRV + "test_shutdown.py"],
               E + "body_checker.py": [SRV + "test_body_checker.py"],
@@ -473,11 +485,21 @@ MUTANTS = [
            "and len(ids) + max_tokens >= self.max_model_len:",
            "prompt + max_tokens exactly max_model_len is refused",
            "a request may fill the context exactly"),
-    Mutant("server_include_stop_str_dropped", SERVING,
+    Mutant("server_include_stop_str_dropped", EP + "generation_config.py",
            "include_stop_str_in_output=req.include_stop_str_in_output,",
            "include_stop_str_in_output=False,",
            "include_stop_str_in_output never reaches the engine",
            "every field the server accepts is forwarded"),
+    Mutant("server_truncation_side_ignored", SERVING,
+           'ids[:keep] if req.truncation_side == "right" else ids[-keep:]', "ids[-keep:]",
+           'truncation_side "right" keeps the last tokens', "vLLM's truncation_side"),
+    Mutant("server_token_ids_not_as_ids", EP + "choices.py",
+           "as_token_ids=bool(req.return_tokens_as_token_ids)", "as_token_ids=False",
+           "return_tokens_as_token_ids is ignored", "no vLLM field is silently ignored"),
+    Mutant("server_chat_stream_ids_whole", EP + "serving_chat.py",
+           '"token_ids": choice.new_ids if delta else choice.token_ids}',
+           '"token_ids": choice.token_ids}',
+           "a streamed chat chunk repeats every token id so far", "each chunk its own ids"),
     Mutant("server_usage_without_include_usage", SERVING,
            "elif options.include_usage:  #", "else:  #",
            "a usage chunk is streamed for include_usage: false",
