@@ -70,7 +70,7 @@ from nanoserve.entrypoints.validation import (
 class Server:
     def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
                  prompt_tokens_details: bool = False, tool_call_parser: str | None = None,
-                 log_stats_interval: float | None = 10.0) -> None:
+                 log_stats_interval: float | None = 10.0, as_token_ids: bool = False) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
         self.draining = False  # shutting down: new requests get a 503
@@ -80,7 +80,7 @@ class Server:
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
         serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details,
-                   tool_call_parser)
+                   tool_call_parser, as_token_ids)
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
         self.responses = OpenAIServingResponses(*serving)
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
 
     def build() -> LLM:
-        llm = LLM(args.model, generation_config=args.generation_config, **config)
+        llm = LLM(args.model, generation_config=args.generation_config,
+                  override_generation_config=args.override_generation_config, **config)
         if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
             llm.trace_to(args.trace_file, source="serve")
         return llm
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"nanoserve serve: {e}")
     server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details,
                     args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    interval)
+                    interval, args.return_tokens_as_token_ids)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,

@@ -43,11 +43,13 @@ class Choice:
 
 
 def choices_of(req: Any, inputs: list[tuple[Any, list[int]]], echoes: list[str],
-               parser: Any) -> list[Choice]:
+               parser: Any, as_token_ids: bool = False) -> list[Choice]:
     """A request's choices, `n` a prompt (`inputs`: each prompt's params and ids; `echoes`: the
-    text each prompt's choices start with; `parser`: what makes a choice's tool-call parser)."""
-    return [Choice(echo=echo, parser=parser and parser(),
-                   as_token_ids=bool(req.return_tokens_as_token_ids),
+    text each prompt's choices start with; `parser`: what makes a choice's tool-call parser;
+    `as_token_ids`: the server's return_tokens_as_token_ids, where the request sets none)."""
+    as_ids = as_token_ids if req.return_tokens_as_token_ids is None else \
+        req.return_tokens_as_token_ids
+    return [Choice(echo=echo, parser=parser and parser(), as_token_ids=as_ids,
                    prompt_ids=ids if req.return_token_ids else None)
             for echo, (_, ids) in zip(echoes, inputs) for _ in range(req.n)]
 

@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto",
                    help="whose sampling defaults apply: 'auto' (the model's "
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
+    p.add_argument("--override-generation-config", type=json.loads, default=None,
+                   help='JSON settings over it, e.g. \'{"temperature": 0.5}\' (vLLM\'s)')
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs\' tokens as "token_id:N" where a request leaves it unset')
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

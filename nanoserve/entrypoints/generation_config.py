@@ -2,7 +2,8 @@
 defaults in generation_config.json (Qwen2.5: temperature 0.7, top_p 0.8, top_k 20; Llama 3.2
 Instruct: temperature 0.6, top_p 0.9). As in vLLM, they replace SamplingParams' defaults for what
 a request leaves unset: `LLM.generate` without sampling params, a server request without
-`temperature`. "auto": the model's file; "vllm": none, SamplingParams' own; a folder: its file."""
+`temperature`. "auto": the model's file; "vllm": none, SamplingParams' own; a folder: its file;
+and over it, vLLM's `override_generation_config` (the file's names: {"temperature": 0.5})."""
 
 from __future__ import annotations
 
@@ -17,28 +18,35 @@ from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 # generation_config.json's names -> SamplingParams' (HF's max_new_tokens is vLLM's max_tokens)
 APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
            "max_new_tokens": "max_tokens"}
+FILE = "generation_config.json"
 NOT_APPLIED = {"repetition_penalty": 1.0, "min_p": 0.0}  # vLLM's too; nanoserve samples without
 
 
-def sampling_defaults(source: str, model_dir: str) -> dict:
-    """SamplingParams' settings the generation config sets ("auto", "vllm" or a folder)."""
-    if source == "vllm":
-        return {}
+def sampling_defaults(source: str, model_dir: str, overrides: dict | None = None) -> dict:
+    """SamplingParams' settings the generation config sets ("auto", "vllm" or a folder), with
+    `overrides` over it; checked as SamplingParams checks them (ValueError)."""
+    if not isinstance(overrides, (dict, type(None))):
+        raise ValueError(f"override_generation_config must be a dict (a JSON object) of "
+                         f"generation config settings, got {overrides!r:.100}")
     folder = model_dir if source == "auto" else source
-    if not isinstance(folder, str) or not (Path(folder) / "generation_config.json").is_file():
-        if source == "auto":  # (a hub's file is never read: nothing is downloaded)
-            return {}  # the model recommends nothing
+    if source == "vllm" or source == "auto" and not (Path(folder) / FILE).is_file():
+        given = {}  # none asked for, or the model recommends nothing (no hub is asked)
+    elif isinstance(folder, str) and (Path(folder) / FILE).is_file():
+        given = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    else:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
-                         f"generation_config.json, got {source!r}")
-    given = GenerationConfig.from_pretrained(folder).to_diff_dict()
+                         f"{FILE}, got {source!r}")
+    given = {**given, **(overrides or {})}
     for name, neutral in NOT_APPLIED.items():
         if given.get(name) not in (None, neutral):
             logging.getLogger("nanoserve").warning(
                 "the generation config recommends %s=%s, which nanoserve does not apply", name,
                 given[name])
     # (HF's top_k 0 is off, as SamplingParams' None)
-    return {ours: given[name] for name, ours in APPLIED.items()
-            if given.get(name) is not None and not (name == "top_k" and given[name] == 0)}
+    defaults = {ours: given[name] for name, ours in APPLIED.items()
+                if given.get(name) is not None and not (name == "top_k" and given[name] == 0)}
+    SamplingParams(**defaults)  # a bad value fails here, not in every request
+    return defaults
 
 
 def request_params(req: Any, defaults: dict, max_tokens: int, logprobs: int | None

@@ -33,17 +33,20 @@ from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM(LLMEngine):
-    """`LLM(model=None, generation_config="auto", **config)`; model None = the bundled SmolLM2;
-    generation_config: whose sampling defaults apply (generation_config.py)."""
+    """`LLM(model=None, generation_config="auto", override_generation_config=None, **config)`;
+    model None = the bundled SmolLM2; generation_config: whose sampling defaults apply, and
+    override_generation_config settings over them (vLLM's; generation_config.py)."""
 
     def __init__(self, model: str | None = None, *, generation_config: str = "auto",
-                 **config: object) -> None:
+                 override_generation_config: dict | None = None, **config: object) -> None:
         known = [f.name for f in dataclasses.fields(EngineConfig)]
         if unknown := [name for name in config if name not in known]:  # (vLLM's others)
             raise ValueError(f"{unknown[0]} is not a nanoserve setting; the settings are "
-                             f"{', '.join(known)}, generation_config")
+                             f"{', '.join(known)}, generation_config, "
+                             f"override_generation_config")
         model = model if model is not None else default_model_dir()
-        self.sampling_defaults = sampling_defaults(generation_config, model)  # before the load
+        self.sampling_defaults = sampling_defaults(  # before the load
+            generation_config, model, override_generation_config)
         super().__init__(model, EngineConfig(**config))
         self.tokenizer = None if self.config.skip_tokenizer_init else \
             AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""

@@ -45,10 +45,11 @@ class OpenAIServing:
 
     def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
                  longest_token: int, prompt_tokens_details: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, as_token_ids: bool = False) -> None:
         self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
         self.prompt_tokens_details = prompt_tokens_details  # usage's cached_tokens (vLLM's flag)
         self.tool_call_parser = tool_call_parser  # chat's, with --enable-auto-tool-choice
+        self.as_token_ids = as_token_ids  # --return-tokens-as-token-ids: the request's default
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
 
@@ -111,7 +112,8 @@ class OpenAIServing:
                 if (error := await collector.accepted) is not None:
                     raise self.refusal(error)
             # (once the engine took the token ids: their range is checked there)
-            choices = choices_of(req, inputs, await self.echoes(req, inputs), parser)
+            choices = choices_of(req, inputs, await self.echoes(req, inputs), parser,
+                                 self.as_token_ids)
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)

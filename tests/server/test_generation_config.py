@@ -1,7 +1,8 @@
 """The model's recommended sampling (generation_config.json), as vLLM applies it: what a request
 leaves unset takes the model's temperature / top_p / top_k (max_new_tokens: the most tokens),
 offline (`LLM.generate` without sampling params) and served (a request without them); what
-nanoserve cannot apply is said, not silently dropped; "vllm" turns it off."""
+nanoserve cannot apply is said, not silently dropped; "vllm" turns it off; vLLM's
+override_generation_config sets over it."""
 
 from __future__ import annotations
 
@@ -78,3 +79,36 @@ def test_served_defaults_are_the_models(model_dir):
         assert s.stop() == 0
     with pytest.raises(RuntimeError, match="generation_config must be"):
         ServerProcess(model_dir, [*TINY_FLAGS, "--generation-config", "no/such/folder"])
+
+
+def test_override_generation_config_sets_over_the_models(model_dir):
+    """vLLM's override_generation_config: the file's names, over the model's file ("auto") or
+    alone ("vllm"); checked once, at the start, as SamplingParams checks them."""
+    llm = LLM(model_dir, override_generation_config={"temperature": 0.2, "max_new_tokens": 9},
+              **TINY_CONFIG)
+    assert llm.get_default_sampling_params() == SamplingParams(
+        temperature=0.2, top_p=0.9, top_k=7, max_tokens=9)
+    alone = LLM(model_dir, generation_config="vllm", override_generation_config={"top_k": 3},
+                **TINY_CONFIG)
+    assert alone.get_default_sampling_params() == SamplingParams(top_k=3)
+    with pytest.raises(ValueError, match="override_generation_config must be a dict"):
+        LLM(model_dir, override_generation_config=[0.5], **TINY_CONFIG)
+    with pytest.raises(ValueError, match="^temperature must be a number >= 0, got -1"):
+        LLM(model_dir, override_generation_config={"temperature": -1}, **TINY_CONFIG)
+
+
+def test_served_overrides_and_token_ids_by_flag(model_dir):
+    s = ServerProcess(model_dir, [*TINY_FLAGS, "--override-generation-config",
+                                  '{"max_new_tokens": 3}', "--return-tokens-as-token-ids"])
+    try:
+        body = {"model": "m", "prompt": [5, 6, 7], "logprobs": 0, "max_tokens": None}
+        out = s.client().completions.create(**body, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3  # the override's max_new_tokens
+        assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
+        off = s.client().completions.create(**body, extra_body={  # the request's own
+            "ignore_eos": True, "return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in off.choices[0].logprobs.tokens)
+    finally:
+        assert s.stop() == 0
+    with pytest.raises(RuntimeError, match="top_p must be in"):
+        ServerProcess(model_dir, [*TINY_FLAGS, "--override-generation-config", '{"top_p": 2}'])
