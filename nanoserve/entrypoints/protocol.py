@@ -37,6 +37,9 @@ def error_event(message: str, code: int) -> str:
                           "code": code}})
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # with include_usage: a usage in every chunk (vLLM's)
@@ -85,6 +88,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None  # shown to the model by the chat template
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
     add_special_tokens: bool = False  # on the rendered text: the template writes them
+    reasoning_effort: Effort | None = None  # to the chat template (chat_prompt)
 
 
 class ResponsesRequest(SamplingRequest):
@@ -177,11 +181,16 @@ def completion_chars(prompt: Any) -> int:
 
 def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The one prompt of a chat request: the messages (checked here, on the event loop) and the
-    chat template's options, prompts.chat_prompts' arguments."""
+    chat template's options, prompts.chat_prompts' arguments. vLLM's reasoning_effort goes to
+    the template, over the request's own kwargs, and turns its thinking on (off: "none") where
+    they do not say enable_thinking."""
+    kwargs = req.chat_template_kwargs
+    if (effort := getattr(req, "reasoning_effort", None)) is not None:
+        kwargs = {"enable_thinking": effort != "none", **(kwargs or {}), "reasoning_effort": effort}
     return [{"messages": [chat_message(m) for m in req.messages],
             "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message,
-            "chat_template_kwargs": req.chat_template_kwargs, "tools": req.tools}]
+            "chat_template_kwargs": kwargs, "tools": req.tools}]
 
 
 def input_message(item: Any) -> dict:

@@ -62,7 +62,7 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/server/test_engine_thread.py", "tests/server/test_validation.py",
               "tests/server/test_forwarding.py", "tests/server/test_attacks.py",
               "tests/server/test_shutdown.py", "tests/server/test_server.py",
-              "tests/server/test_token_ids.py"]
+              "tests/server/test_vllm_fields.py"]
 A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -90,9 +90,10 @@ FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "tes
               E + "api_server.py": [SRV + "test_server.py", SRV + "test_attacks.py",
                                     SRV + "test_shutdown.py"],
               E + "serving_engine.py": [SRV + "test_forwarding.py", SRV + "test_validation.py"],
-              E + "serving_completion.py": [SRV + "test_forwarding.py", SRV + "test_token_ids.py"],
-              E + "serving_chat.py": [SRV + "test_token_ids.py"],
-              E + "choices.py": [SRV + "test_token_ids.py"],
+              E + "serving_completion.py": [SRV + "test_forwarding.py",
+                                            SRV + "test_vllm_fields.py"],
+              E + "serving_chat.py": [SRV + "test_vllm_fields.py"],
+              E + "choices.py": [SRV + "test_vllm_fields.py"],
               E + "generation_config.py": [SRV + "test_forwarding.py"],
               E + "protocol.py": [SRV + "test_forwarding.py"],
               E + "launcher.py": [SRV + "test_shutdown.py"],

@@ -1,8 +1,8 @@
-"""vLLM's request fields about token ids, none of them ignored: `return_token_ids` (the prompt's
+"""vLLM's request fields, none of them ignored: `return_token_ids` (the prompt's
 and the answer's ids beside the text, whole or streamed: the ids `LLM.generate` gives),
 `return_tokens_as_token_ids` (logprobs' tokens as "token_id:N"), `add_special_tokens` (passed
-to the tokenizer), `truncation_side`, `request_id`; and every field nanoserve cannot honour is a
-400 naming it at any value but its no-op ones."""
+to the tokenizer), `truncation_side`, `request_id`, chat's `reasoning_effort` (to the template);
+and every field nanoserve cannot honour is a 400 naming it at any value but its no-op ones."""
 
 from __future__ import annotations
 
@@ -167,3 +167,23 @@ def test_each_field_nanoserve_cannot_honour_is_refused_but_at_its_no_op_values(e
             with pytest.raises(APIError) as e:
                 check_no_ops({name: value}, endpoint.no_op)
             assert e.value.param == name and name in e.value.message
+
+
+@pytest.mark.parametrize("effort, kwargs, seen", [
+    (None, None, "-|-"), ("none", None, "False|none"), ("high", None, "True|high"),
+    ("low", {"enable_thinking": False}, "False|low"),
+    ("high", {"reasoning_effort": "low"}, "True|high")])
+def test_reasoning_effort_reaches_the_chat_template(effort, kwargs, seen):
+    """vLLM's: the template's reasoning_effort (over the request's kwargs), and enable_thinking
+    unless the request's kwargs set it ("none": off)."""
+    from nanoserve.entrypoints.prompts import chat_prompts
+    from nanoserve.entrypoints.protocol import ChatCompletionRequest, chat_prompt
+
+    req = ChatCompletionRequest(messages=MESSAGES, reasoning_effort=effort,
+                                chat_template_kwargs=kwargs)
+    [prompt] = chat_prompt(req)
+    template = ("{{ enable_thinking if enable_thinking is defined else '-' }}|"
+                "{{ reasoning_effort if reasoning_effort is defined else '-' }}")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir(MAX_MODEL_LEN))
+    [rendered] = chat_prompts(tokenizer=tokenizer, chat_template=template, **prompt)
+    assert rendered["prompt"] == seen
