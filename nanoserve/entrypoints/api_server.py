@@ -33,10 +33,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 from nanoserve import LLM
-from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
+from nanoserve.entrypoints.body_checker import BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.cli_args import (
     chat_template,
@@ -63,7 +62,6 @@ from nanoserve.entrypoints.validation import (
     TOKENIZE,
     Endpoint,
     longest_token,
-    parse_json,
 )
 
 
@@ -76,7 +74,6 @@ class Server:
         self.draining = False  # shutting down: new requests get a 503
         self.log_stats_interval = log_stats_interval  # vLLM's stat line (None: none)
         self.max_model_len = self.llm.config.max_model_len
-        self.max_body_bytes = (1 << 20) + 32 * self.max_model_len  # text or token ids
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
         serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details,
@@ -150,7 +147,7 @@ class Server:
             if self.draining:
                 raise APIError("the server is shutting down", None, 503)
             self.authorize(request)
-            body = await self.read_body(request, endpoint)
+            body = await self.bodies.read(request, endpoint)
         except APIError as e:
             return e.response()
         work = asyncio.ensure_future(answer(body))
@@ -166,28 +163,6 @@ class Server:
             return work.result()
         except APIError as e:
             return e.response()
-
-    async def read_body(self, request: Request, endpoint: Endpoint) -> dict:
-        """At most max_body_bytes, also without a Content-Length (a chunked upload); a big one
-        parsed only if the body checker accepts it."""
-        too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
-        size = request.headers.get("content-length", "0")
-        if not size.isdigit() or int(size) > self.max_body_bytes:
-            raise too_big
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise too_big
-        except ClientDisconnect:  # gone before its body was read: nobody to answer, no log
-            raise APIError("the client disconnected", None, 499) from None
-        raw = b"".join(chunks)
-        if len(raw) >= BIG_BYTES and (
-                refusal := await self.bodies.refusal(raw, endpoint)) is not None:
-            raise refusal
-        return parse_json(raw)
 
 
 async def _disconnected(request: Request) -> None:

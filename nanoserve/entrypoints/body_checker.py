@@ -32,6 +32,8 @@ import struct
 import sys
 from pathlib import Path
 
+from starlette.requests import ClientDisconnect, Request
+
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.validation import (
     CHAT,
@@ -61,10 +63,11 @@ BOOT = ("import sys, types; package = types.ModuleType('nanoserve'); "
 
 
 class BodyChecker:
-    """The server's side: start(), then refusal() for each big body, then close()."""
+    """The server's side: start(), then read() (refusal() for each big body), then close()."""
 
     def __init__(self, longest_token: int, max_model_len: int) -> None:
         self.args = (str(longest_token), str(max_model_len))
+        self.max_body_bytes = (1 << 20) + 32 * max_model_len  # text or token ids
         self.proc: asyncio.subprocess.Process | None = None
         self.lock = asyncio.Lock()  # one body in the pipe at a time: frames never interleave
         self.waiting = 0
@@ -77,6 +80,27 @@ class BodyChecker:
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         except OSError as e:
             log.warning("nanoserve: no body checker (%r); the server parses big bodies itself", e)
+
+    async def read(self, request: Request, endpoint: Endpoint) -> dict:
+        """A request's body, at most max_body_bytes (413), also without a Content-Length (a
+        chunked upload), parsed; a big one only if refusal() finds nothing to refuse."""
+        too_big = APIError(f"request body must be at most {self.max_body_bytes} bytes", None, 413)
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > self.max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_big
+        except ClientDisconnect:  # gone before its body was read: nobody to answer, no log
+            raise APIError("the client disconnected", None, 499) from None
+        raw = b"".join(chunks)
+        if len(raw) >= BIG_BYTES and (refusal := await self.refusal(raw, endpoint)) is not None:
+            raise refusal
+        return parse_json(raw)
 
     async def refusal(self, raw: bytes, endpoint: Endpoint) -> APIError | None:
         """The helper's 400 for this body, or None: accepted, or not asked. At nice 19 the

@@ -578,7 +578,7 @@ MUTANTS = [
            "if len(self.connections) >= self.limits.max_connections:", "if False:",
            "connections are accepted until the file descriptors run out",
            "HTTP limits: a cap on open connections"),
-    Mutant("server_disconnect_logged", API,
+    Mutant("server_disconnect_logged", EP + "body_checker.py",
            "except ClientDisconnect:", "except ConnectionAbortedError:",
            "a client that leaves before its body is read logs a traceback",
            "quiet logging of client disconnects"),
