@@ -46,7 +46,7 @@ from nanoserve.entrypoints.cli_args import (
     parse_args,
 )
 from nanoserve.entrypoints.engine_thread import EngineThread
-from nanoserve.entrypoints.launcher import UvicornServer
+from nanoserve.entrypoints.launcher import UvicornServer, request_id_headers
 from nanoserve.entrypoints.metrics import LoggingStatLogger
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
@@ -148,6 +148,8 @@ class Server:
                 raise APIError("the server is shutting down", None, 503)
             self.authorize(request)
             body = await self.bodies.read(request, endpoint)
+            if endpoint in (COMPLETION, CHAT) and "x-request-id" in request.headers:
+                body["request_id"] = request.headers["x-request-id"]  # vLLM's: over the body's
         except APIError as e:
             return e.response()
         work = asyncio.ensure_future(answer(body))
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
     limits = http_limits(args)
-    config = uvicorn.Config(server.app, host=args.host, port=args.port,
+    app = request_id_headers(server.app) if args.enable_request_id_headers else server.app
+    config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, http=limits.protocol(),
                             timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=args.shutdown_timeout + UvicornServer.GRACE)

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
     p.add_argument("--override-generation-config", type=json.loads, default=None,
                    help='JSON settings over it, e.g. \'{"temperature": 0.5}\' (vLLM\'s)')
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every answer says X-Request-Id (the request's, or a new one)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs\' tokens as "token_id:N" where a request leaves it unset')
     p.add_argument("--enable-prompt-tokens-details", action="store_true",

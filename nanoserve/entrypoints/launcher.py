@@ -1,12 +1,14 @@
 """vLLM's entrypoints/launcher.py: the uvicorn server the app runs in, with nanoserve's way of
-ending (§3's loop keeps serving what it has accepted until it is done, or until a deadline)."""
+ending (§3's loop keeps serving what it has accepted until it is done, or until a deadline);
+and what may wrap the app there (vLLM's --enable-request-id-headers)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
-from typing import TYPE_CHECKING
+import uuid
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -45,3 +47,21 @@ class UvicornServer(uvicorn.Server):
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
+
+
+def request_id_headers(app: Any) -> Any:
+    """vLLM's --enable-request-id-headers: every answer says X-Request-Id, the request's own
+    or a new one. Plain ASGI (not a BaseHTTPMiddleware): a stream, and the disconnect that
+    aborts it, pass through untouched."""
+    async def with_id(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", given)]}
+            await send(message)
+        await app(scope, receive, send_with_id)
+    return with_id

@@ -1,8 +1,9 @@
 """vLLM's request fields, none of them ignored: `return_token_ids` (the prompt's
 and the answer's ids beside the text, whole or streamed: the ids `LLM.generate` gives),
 `return_tokens_as_token_ids` (logprobs' tokens as "token_id:N"), `add_special_tokens` (passed
-to the tokenizer), `truncation_side`, `request_id`, chat's `reasoning_effort` (to the template);
-and every field nanoserve cannot honour is a 400 naming it at any value but its no-op ones."""
+to the tokenizer), `truncation_side`, `request_id`, chat's `reasoning_effort` (to the template),
+`X-Request-Id` (in and out); and every field nanoserve cannot honour is a 400 naming it at any
+value but its no-op ones."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
 from nanoserve.entrypoints.validation import check_no_ops
 from tests.common.tiny_model import tiny_model_dir
-from tests.server.harness import MAX_MODEL_LEN
+from tests.server.harness import MAX_MODEL_LEN, TINY_FLAGS, ServerProcess
 
 PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The tiny model's server (conftest's), with vLLM's --enable-request-id-headers."""
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--enable-request-id-headers"])
+    yield s
+    s.stop()
 MESSAGES = [{"role": "user", "content": "Xin chào!"}]
 
 
@@ -120,6 +129,22 @@ def test_request_id_is_the_answers_id(server):
                                           "request_id": "resp_7"})["id"] == "resp_7"
     assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[
         "id"].startswith("cmpl-")
+
+
+def test_x_request_id_names_the_request_and_comes_back(server):
+    """vLLM's: the header over the body's request_id; with --enable-request-id-headers every
+    answer says X-Request-Id, streamed ones and errors too (a new one where none was sent)."""
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "request_id": "body"}
+    r = httpx.post(server.base + "/v1/completions", json=body, headers={"X-Request-Id": "hdr"})
+    assert r.json()["id"] == "cmpl-hdr" and r.headers["x-request-id"] == "hdr"
+    with httpx.stream("POST", server.base + "/v1/chat/completions", headers={
+            "X-Request-Id": "s1"}, json={"model": "m", "messages": MESSAGES, "max_tokens": 2,
+                                         "stream": True}) as r:
+        assert r.headers["x-request-id"] == "s1"
+        assert json.loads(next(r.iter_lines())[len("data: "):])["id"] == "chatcmpl-s1"
+    bad = httpx.post(server.base + "/v1/completions", json={**body, "max_tokens": 0})
+    assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32
+    assert httpx.get(server.base + "/health").headers["x-request-id"]
 
 
 def test_add_special_tokens_is_the_tokenizers_option():
