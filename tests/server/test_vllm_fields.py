@@ -212,3 +212,12 @@ def test_reasoning_effort_reaches_the_chat_template(effort, kwargs, seen):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir(MAX_MODEL_LEN))
     [rendered] = chat_prompts(tokenizer=tokenizer, chat_template=template, **prompt)
     assert rendered["prompt"] == seen
+
+
+def test_a_beam_searchs_choices_carry_their_token_ids(server, ref_llm):
+    out = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2,
+                                           "use_beam_search": True, "return_token_ids": True})
+    for choice in out["choices"]:
+        assert choice["prompt_token_ids"] == PROMPT and 1 <= len(choice["token_ids"]) <= 4
+        assert ref_llm.tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == \
+            choice["text"]
