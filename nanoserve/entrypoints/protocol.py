@@ -9,7 +9,7 @@ import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no limit), and
 # completions in one (prompts x n): one small body may not queue more requests than n alone could
@@ -63,7 +63,8 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     length_penalty: float = 1.0  # a beam's score: its logprob over its length to this power
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # "right": keep its first k instead
-    request_id: str | None = None  # the answer's id is the prefix and it (vLLM's)
+    # the answer's id is the prefix and it (vLLM's); bounded: every streamed chunk repeats it
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     return_token_ids: bool | None = None  # the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
 

@@ -145,6 +145,9 @@ def test_x_request_id_names_the_request_and_comes_back(server):
     bad = httpx.post(server.base + "/v1/completions", json={**body, "max_tokens": 0})
     assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32
     assert httpx.get(server.base + "/health").headers["x-request-id"]
+    long = httpx.post(server.base + "/v1/completions", json=body,
+                      headers={"X-Request-Id": "x" * 257})  # (each chunk would repeat it)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "request_id"
 
 
 def test_add_special_tokens_is_the_tokenizers_option():
