@@ -19,7 +19,6 @@ class Choice:
     """One completion's answer so far (choices[index])."""
 
     texts: list[str] = field(default_factory=list)
-    num_tokens: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -33,9 +32,12 @@ class Choice:
     new_ids: list[int] = field(default_factory=list)  # the last output's
     sent_first: bool = False  # a (streamed) choice was written for it: prompt_ids are sent
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
     def add(self, c: CompletionOutput) -> None:
         self.texts.append(c.text)
-        self.num_tokens += len(c.token_ids)
         self.new_ids = list(c.token_ids)
         self.token_ids += self.new_ids
         self.logprobs += c.logprobs or []

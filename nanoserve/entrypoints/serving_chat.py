@@ -10,7 +10,7 @@ from typing import Any
 from nanoserve.entrypoints.choices import Choice
 from nanoserve.entrypoints.prompts import chat_prompts
 from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
-from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.entrypoints.serving_engine import OpenAIServing, shown
 from nanoserve.entrypoints.tool_parser import HermesToolParser, check_tools, tool_parser_for
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
@@ -94,9 +94,9 @@ class OpenAIServingChat(OpenAIServing):
         """Each token's text (as_ids: "token_id:N"), logprob and bytes, and the `num` most
         likely tokens'."""
         def item(token: int, e: Logprob) -> dict:
-            shown = f"token_id:{token}" if as_ids else e.decoded_token
-            return {"token": shown, "logprob": max(e.logprob, -9999.0),
-                    "bytes": list(shown.encode("utf-8"))}
+            text = shown(token, e, as_ids)
+            return {"token": text, "logprob": max(e.logprob, -9999.0),
+                    "bytes": list(text.encode("utf-8"))}
 
         return {"content": [{**item(*next(iter(entry.items()))), "top_logprobs": [
             item(t, e) for t, e in sorted(entry.items(), key=lambda te: te[1].rank)

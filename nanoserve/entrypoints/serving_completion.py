@@ -9,7 +9,7 @@ from typing import Any
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.choices import Choice
 from nanoserve.entrypoints.protocol import APIError, CompletionRequest
-from nanoserve.entrypoints.serving_engine import OpenAIServing
+from nanoserve.entrypoints.serving_engine import OpenAIServing, shown
 from nanoserve.entrypoints.validation import COMPLETION
 from nanoserve.layers.sampler import Logprob
 
@@ -58,10 +58,10 @@ class OpenAIServingCompletion(OpenAIServing):
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
             sampled = next(iter(entry.values()))  # the sampled token comes first
-            shown = {t: f"token_id:{t}" if as_ids else e.decoded_token for t, e in entry.items()}
-            tokens.append(shown[next(iter(entry))])
+            tokens.append(shown(next(iter(entry)), sampled, as_ids))
             token_logprobs.append(max(sampled.logprob, -9999.0))
-            top_logprobs.append({shown[t]: max(e.logprob, -9999.0) for t, e in entry.items()})
+            top_logprobs.append({shown(t, e, as_ids): max(e.logprob, -9999.0)
+                                 for t, e in entry.items()})
             offsets.append(offset)
             offset += len(sampled.decoded_token)
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,

@@ -37,6 +37,12 @@ from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, chec
 from nanoserve.layers.sampler import Logprob
 
 
+def shown(token: int, entry: Logprob, as_ids: bool) -> str:
+    """A logprobs entry's token as the answer shows it: its text, or (vLLM's
+    return_tokens_as_token_ids) "token_id:N"."""
+    return f"token_id:{token}" if as_ids else entry.decoded_token
+
+
 class OpenAIServing:
     endpoint: Endpoint  # its request, prompt and checks (validation.py)
     object_name: str  # the response's "object"
