@@ -51,6 +51,7 @@ from nanoserve.entrypoints.metrics import LoggingStatLogger
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
+from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.serving_responses import OpenAIServingResponses
 from nanoserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
@@ -67,8 +68,8 @@ from nanoserve.entrypoints.validation import (
 
 class Server:
     def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
-                 prompt_tokens_details: bool = False, tool_call_parser: str | None = None,
-                 log_stats_interval: float | None = 10.0, as_token_ids: bool = False) -> None:
+                 options: ServingOptions | None = None,
+                 log_stats_interval: float | None = 10.0) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_name, self.api_key = model_name, api_key
         self.draining = False  # shutting down: new requests get a 503
@@ -76,8 +77,7 @@ class Server:
         self.max_model_len = self.llm.config.max_model_len
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
-        serving = (engine, model_name, self.tokenizers, longest, prompt_tokens_details,
-                   tool_call_parser, as_token_ids)
+        serving = (engine, model_name, self.tokenizers, longest, options)
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
         self.responses = OpenAIServingResponses(*serving)
@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    server = Server(engine, name, args.api_key, args.enable_prompt_tokens_details,
-                    args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    interval, args.return_tokens_as_token_ids)
+    options = ServingOptions(args.enable_prompt_tokens_details,
+                             args.tool_call_parser if args.enable_auto_tool_choice else None,
+                             args.return_tokens_as_token_ids, args.reasoning_parser)
+    server = Server(engine, name, args.api_key, options, interval)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,

@@ -26,6 +26,7 @@ class Choice:
     echo: str = ""  # text before the first token's, until sent (a completion's `echo`: its prompt)
     error: str | None = None  # why, where finish_reason is "error"
     parser: Any = None  # reads the tool calls out of its text (chat's: tool_parser.py)
+    reasoning: Any = None  # splits its text into reasoning and content (reasoning_parser.py)
     as_token_ids: bool = False  # logprobs' tokens as "token_id:N" (return_tokens_as_token_ids)
     prompt_ids: list[int] | None = None  # return_token_ids: its prompt's, sent in the first chunk
     token_ids: list[int] = field(default_factory=list)  # its tokens so far
@@ -42,16 +43,33 @@ class Choice:
         self.token_ids += self.new_ids
         self.logprobs += c.logprobs or []
         self.finish_reason, self.stop_reason, self.error = c.finish_reason, c.stop_reason, c.error
+        if self.reasoning is not None:  # each output as it comes, with its tokens
+            self.reasoning.feed(c.text, c.finish_reason is not None, c.token_ids)
+
+
+def shown(token: int, entry: Logprob, as_ids: bool) -> str:
+    """A logprobs entry's token as the answer shows it: its text, or (vLLM's
+    return_tokens_as_token_ids) "token_id:N"."""
+    return f"token_id:{token}" if as_ids else entry.decoded_token
+
+
+def num_reasoning(choices: list[Choice]) -> int | None:
+    """The choices' reasoning tokens, where a reasoning parser read them (usage's)."""
+    if not choices or any(c.reasoning is None for c in choices):
+        return None
+    return sum(c.reasoning.num_tokens for c in choices)
 
 
 def choices_of(req: Any, inputs: list[tuple[Any, list[int]]], echoes: list[str],
-               parser: Any, as_token_ids: bool = False) -> list[Choice]:
+               parser: Any, as_token_ids: bool = False, reasoning: Any = None) -> list[Choice]:
     """A request's choices, `n` a prompt (`inputs`: each prompt's params and ids; `echoes`: the
     text each prompt's choices start with; `parser`: what makes a choice's tool-call parser;
-    `as_token_ids`: the server's return_tokens_as_token_ids, where the request sets none)."""
+    `as_token_ids`: the server's return_tokens_as_token_ids, where the request sets none;
+    `reasoning`: what makes its reasoning parser)."""
     as_ids = as_token_ids if req.return_tokens_as_token_ids is None else \
         req.return_tokens_as_token_ids
     return [Choice(echo=echo, parser=parser and parser(), as_token_ids=as_ids,
+                   reasoning=reasoning and reasoning(),
                    prompt_ids=ids if req.return_token_ids else None)
             for echo, (_, ids) in zip(echoes, inputs) for _ in range(req.n)]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
+from nanoserve.entrypoints.reasoning_parser import PARSERS as REASONING_PARSERS
 from nanoserve.entrypoints.tool_parser import PARSERS
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="read the model's tool calls into tool_calls (tool_choice auto)")
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="the format the model writes calls in (with --enable-auto-tool-choice)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="read a thinking model's <think> part into chat's `reasoning` (and a "
+                        "Responses reasoning item)")
     p.add_argument("--allowed-origins", type=json.loads, default=None,
                    help='CORS, a JSON list (vLLM\'s; e.g. \'["*"]\'); default: no CORS headers')
     p.add_argument("--allow-credentials", action="store_true")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.protocol import APIError, chat_message
+from nanoserve.entrypoints.protocol import APIError
+from nanoserve.entrypoints.request_prompts import chat_message
 from nanoserve.entrypoints.tool_parser import check_tools, template_messages
 from nanoserve.utils import as_token_id
 

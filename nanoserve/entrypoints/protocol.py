@@ -1,6 +1,5 @@
 """The wire side of the server: vLLM's request fields and defaults (entrypoints/openai/protocol.py),
-its error shape, its prompts' forms (a completion's prompt or batch of them, chat messages) and
-its server-sent events."""
+its error shape and its server-sent events (a request's prompts: request_prompts.py)."""
 
 from __future__ import annotations
 
@@ -90,6 +89,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
     add_special_tokens: bool = False  # on the rendered text: the template writes them
     reasoning_effort: Effort | None = None  # to the chat template (chat_prompt)
+    include_reasoning: bool = True  # False: --reasoning-parser's reasoning left out
 
 
 class ResponsesRequest(SamplingRequest):
@@ -105,6 +105,7 @@ class ResponsesRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None  # function tools, Responses' flat shape
     tool_choice: str | dict[str, Any] | None = None  # as chat's
     chat_template_kwargs: dict[str, Any] | None = None  # as chat's
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: chat's reasoning_effort
     store: bool = True  # as in vLLM without its store: nothing is kept, nothing to retrieve
     metadata: dict[str, str] | None = None  # handed back as given, as is `user`
     user: str | None = None
@@ -143,110 +144,19 @@ def param_of(message: str, fields: set[str], prompt_field: str) -> str | None:
     return prompt_field if word == "prompt" else word if word in fields else None
 
 
-def chat_message(message: dict, field: str = "messages", parts: tuple = ("text",),
-                 label: str = "messages") -> dict:
-    """{"role", "content"}; content parts ({"type": "text", "text"}; Responses: `parts`) are
-    joined, as in vLLM. An assistant message that made tool calls may have no content (OpenAI):
-    it is "" here, and the calls are left for a chat template that renders them. A bad one is a
-    400 naming `field`."""
-    role, content = message.get("role"), message.get("content")
-    if content is None and role == "assistant" and message.get("tool_calls"):
-        content = ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise APIError(f"{label} must each have a string role and a text content, got "
-                       f"{message!r:.200}", field)
-    return {**message, "role": role, "content": content}
-
-
-def completion_prompts(req: CompletionRequest) -> list:
-    """A completion request's prompts: one text or token-id list, or a batch of them."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > MAX_PROMPTS:
-            raise APIError(f"prompt must be at most {MAX_PROMPTS} prompts, got {len(prompt)}",
-                           "prompt")
-        if len(prompt) * req.n > MAX_PROMPTS:
-            raise APIError(f"n must be at most {MAX_PROMPTS // len(prompt)} for a batch of "
-                           f"{len(prompt)} prompts ({MAX_PROMPTS} completions a request), got "
-                           f"{req.n}", "n")
-        return prompt
-    return [prompt]
-
-
-def completion_chars(prompt: Any) -> int:
-    return len(prompt) if isinstance(prompt, str) else 0
-
-
-def chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
-    """The one prompt of a chat request: the messages (checked here, on the event loop) and the
-    chat template's options, prompts.chat_prompts' arguments. vLLM's reasoning_effort goes to
-    the template, over the request's own kwargs, and turns its thinking on (off: "none") where
-    they do not say enable_thinking."""
-    kwargs = req.chat_template_kwargs
-    if (effort := getattr(req, "reasoning_effort", None)) is not None:
-        kwargs = {"enable_thinking": effort != "none", **(kwargs or {}), "reasoning_effort": effort}
-    return [{"messages": [chat_message(m) for m in req.messages],
-            "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message,
-            "chat_template_kwargs": kwargs, "tools": req.tools}]
-
-
-def input_message(item: Any) -> dict:
-    """A Responses `input` item as a chat message (chat_message's), its text parts "input_text"
-    or an earlier answer's "output_text"; only its role and content go to the template. An
-    earlier answer's "function_call" is an assistant's tool call, a "function_call_output" the
-    tool's message, as chat's."""
-    kind = item.get("type", "message") if isinstance(item, dict) else None
-    if kind == "function_call" and all(isinstance(item.get(k), str) for k in
-                                       ("call_id", "name", "arguments")):
-        return {"role": "assistant", "content": "", "tool_calls": [{
-            "id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}]}
-    if kind == "function_call_output" and all(isinstance(item.get(k), str) for k in
-                                              ("call_id", "output")):
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-    if kind != "message":
-        raise APIError(f"input items must be messages, function calls (call_id, name, arguments) "
-                       f"or their outputs (call_id, output), got {item!r:.200}", "input")
-    message = chat_message({"role": item.get("role"), "content": item.get("content")}, "input",
-                           ("input_text", "output_text"), "input messages")
-    return {"role": message["role"], "content": message["content"]}
-
-
-def responses_prompt(req: ResponsesRequest) -> list[dict]:
-    """A Responses request's one prompt, as chat_prompt's: the instructions, then the input."""
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    if not items:
-        raise APIError("input must be a text or a non-empty list of messages, got []", "input")
-    system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
-    return [{"messages": system + [input_message(m) for m in items],
-             "add_generation_prompt": True, "continue_final_message": False,
-             "chat_template_kwargs": req.chat_template_kwargs, "tools": req.tools}]
-
-
-def tokenize_prompts(req: TokenizeRequest) -> list:
-    """A /tokenize request's one prompt: its text, or its conversation as chat_prompt's."""
-    if (req.prompt is None) == (req.messages is None):
-        raise APIError("prompt or messages must be given, not both nor neither", "prompt")
-    return [req.prompt] if req.messages is None else chat_prompt(req)
-
-
-def chat_chars(prompt: dict) -> int:
-    return sum(len(m["content"]) for m in prompt["messages"])
-
-
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage_of(num_prompt: int, num_completion: int, num_cached: int | None = None) -> dict:
-    """`num_cached` (--enable-prompt-tokens-details): the prompt tokens the prefix cache held."""
+def usage_of(num_prompt: int, num_completion: int, num_cached: int | None = None,
+             num_reasoning: int | None = None) -> dict:
+    """`num_cached` (--enable-prompt-tokens-details): the prompt tokens the prefix cache held;
+    `num_reasoning` (--reasoning-parser): the completion's tokens that were reasoning."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion} | (
-        {} if num_cached is None else {"prompt_tokens_details": {"cached_tokens": num_cached}})
+        {} if num_cached is None else {"prompt_tokens_details": {"cached_tokens": num_cached}}) | (
+        {} if num_reasoning is None else
+        {"completion_tokens_details": {"reasoning_tokens": num_reasoning}})
 
 
 def truncation(k: int | None, max_model_len: int) -> int | None:

@@ -5,12 +5,15 @@ shapes them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from nanoserve.entrypoints.choices import Choice
+from nanoserve.entrypoints.choices import Choice, shown
 from nanoserve.entrypoints.prompts import chat_prompts
 from nanoserve.entrypoints.protocol import APIError, ChatCompletionRequest, param_of
-from nanoserve.entrypoints.serving_engine import OpenAIServing, shown
+from nanoserve.entrypoints.reasoning_parser import reasoning_parser_for
+from nanoserve.entrypoints.request_prompts import template_kwargs
+from nanoserve.entrypoints.serving_engine import OpenAIServing
 from nanoserve.entrypoints.tool_parser import HermesToolParser, check_tools, tool_parser_for
 from nanoserve.entrypoints.validation import CHAT
 from nanoserve.layers.sampler import Logprob
@@ -56,25 +59,36 @@ class OpenAIServingChat(OpenAIServing):
 
     def tool_parser_of(self, req: ChatCompletionRequest) -> type[HermesToolParser] | None:
         return tool_parser_for(check_tools(req.tools or []), req.tool_choice,
-                               self.tool_call_parser)
+                               self.options.tool_call_parser)
+
+    def reasoning_parser_of(self, req: ChatCompletionRequest) -> Callable[[], Any] | None:
+        return reasoning_parser_for(self.options.reasoning_parser, template_kwargs(req),
+                                    self.end_id, getattr(req, "include_reasoning", True))
 
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
                delta: bool) -> dict:
-        calls, finish = [], choice.finish_reason
+        calls, finish, parsed = [], choice.finish_reason, choice.reasoning
+        reasoning = None
+        if parsed is not None:  # the reasoning apart (read as the outputs came: choices.py)
+            reasoning, text = parsed.last if delta else parsed.whole()
+            if not parsed.shown:  # vLLM's: nor the tokens' logprobs and ids, which would show it
+                reasoning, logprobs = None, None
         if choice.parser is not None:  # the calls out of the text, as they complete
             text, calls = choice.parser.feed(text, final=finish is not None)
             finish = "tool_calls" if finish and choice.parser.calls else finish
         if delta:
-            message = {"content": text} if text or not calls else {}
+            message = {"reasoning": reasoning} if reasoning else {}
+            message |= {"content": text} if text or not (calls or reasoning) else {}
             message |= {"tool_calls": calls} if calls else {}
         else:
-            message = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text if text or parsed is None else None}
+            message |= {} if parsed is None else {"reasoning": reasoning}
             if choice.parser is not None:  # no text beside the calls: null, as vLLM's
                 message |= {"content": text if text.strip() or not calls else None,
                             "tool_calls": [{k: v for k, v in c.items() if k != "index"}
                                            for c in calls]}
-        ids = {} if choice.prompt_ids is None else {  # return_token_ids (the prompt's: above)
-            "token_ids": choice.new_ids if delta else choice.token_ids}
+        ids = {} if choice.prompt_ids is None or (parsed and not parsed.shown) else {
+            "token_ids": choice.new_ids if delta else choice.token_ids}  # return_token_ids
         return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs,
                 "finish_reason": finish, "stop_reason": choice.stop_reason, **ids}
 

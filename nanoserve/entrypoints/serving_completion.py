@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve import SamplingParams
-from nanoserve.entrypoints.choices import Choice
+from nanoserve.entrypoints.choices import Choice, shown
 from nanoserve.entrypoints.protocol import APIError, CompletionRequest
-from nanoserve.entrypoints.serving_engine import OpenAIServing, shown
+from nanoserve.entrypoints.serving_engine import OpenAIServing
 from nanoserve.entrypoints.validation import COMPLETION
 from nanoserve.layers.sampler import Logprob
 

@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
-from nanoserve.entrypoints.choices import Batch, Choice, choices_of
-from nanoserve.entrypoints.engine_thread import EngineThread, ShuttingDown
+from nanoserve.entrypoints.choices import Batch, Choice, choices_of, num_reasoning
+from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.generation_config import request_params
 from nanoserve.entrypoints.protocol import (
     APIError,
@@ -31,16 +31,27 @@ from nanoserve.entrypoints.protocol import (
     truncation,
     usage_of,
 )
+from nanoserve.entrypoints.reasoning_parser import end_token_id
 from nanoserve.entrypoints.serving_beam_search import beam_search_params, start_beam_searches
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
-from nanoserve.entrypoints.validation import Endpoint, check_prompt_length, check_request
+from nanoserve.entrypoints.validation import (
+    Endpoint,
+    check_prompt_ids,
+    check_prompt_length,
+    check_request,
+    refusal,
+)
 from nanoserve.layers.sampler import Logprob
 
 
-def shown(token: int, entry: Logprob, as_ids: bool) -> str:
-    """A logprobs entry's token as the answer shows it: its text, or (vLLM's
-    return_tokens_as_token_ids) "token_id:N"."""
-    return f"token_id:{token}" if as_ids else entry.decoded_token
+@dataclasses.dataclass
+class ServingOptions:
+    """The server's flags that shape its answers (vLLM's names)."""
+
+    prompt_tokens_details: bool = False  # usage's cached_tokens
+    tool_call_parser: str | None = None  # chat's, with --enable-auto-tool-choice
+    as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
+    reasoning_parser: str | None = None  # chat's and Responses' (reasoning_parser.py)
 
 
 class OpenAIServing:
@@ -50,12 +61,10 @@ class OpenAIServing:
     id_prefix: str
 
     def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
-                 longest_token: int, prompt_tokens_details: bool = False,
-                 tool_call_parser: str | None = None, as_token_ids: bool = False) -> None:
+                 longest_token: int, options: ServingOptions | None = None) -> None:
         self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
-        self.prompt_tokens_details = prompt_tokens_details  # usage's cached_tokens (vLLM's flag)
-        self.tool_call_parser = tool_call_parser  # chat's, with --enable-auto-tool-choice
-        self.as_token_ids = as_token_ids  # --return-tokens-as-token-ids: the request's default
+        self.options = options or ServingOptions()
+        self.end_id = end_token_id(engine.llm.tokenizer) if self.options.reasoning_parser else None
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
 
@@ -84,6 +93,10 @@ class OpenAIServing:
 
     def tool_parser_of(self, req: Any) -> Callable[[], Any] | None:
         """What reads a choice's tool calls (chat's), or None; a 400 for tools it cannot take."""
+        return None
+
+    def reasoning_parser_of(self, req: Any) -> Callable[[], Any] | None:
+        """What splits a choice's reasoning from its content (chat's), or None."""
         return None
 
     def first_chunks(self, head: dict, choices: list[Choice]) -> list[dict]:
@@ -116,10 +129,10 @@ class OpenAIServing:
         try:
             for collector in batch.collectors:  # any refusal: a 400 (the others are aborted)
                 if (error := await collector.accepted) is not None:
-                    raise self.refusal(error)
+                    raise refusal(error, self.endpoint)
             # (once the engine took the token ids: their range is checked there)
             choices = choices_of(req, inputs, await self.echoes(req, inputs), parser,
-                                 self.as_token_ids)
+                                 self.options.as_token_ids, self.reasoning_parser_of(req))
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
@@ -150,19 +163,10 @@ class OpenAIServing:
                         self.logprobs_or_none(c, c.logprobs, 0, num_logprobs), delta=False)
             for i, c in enumerate(choices)],
                 "usage": usage_of(num_prompt_tokens, sum(c.num_tokens for c in choices),
-                                  self.num_cached(batch))}
+                                  self.num_cached(batch), num_reasoning(choices))}
 
     def num_cached(self, batch: Batch) -> int | None:
-        return batch.num_cached_tokens if self.prompt_tokens_details else None
-
-    def refusal(self, error: BaseException) -> APIError:
-        """What the engine thread's add raised, as the client's error."""
-        if isinstance(error, ShuttingDown):
-            return APIError("the server is shutting down", None, 503)
-        if not isinstance(error, ValueError):
-            return APIError(f"the engine failed to add the request: {error!r}", None, 500)
-        fields = set(self.endpoint.request_model.model_fields)
-        return APIError(str(error), param_of(str(error), fields, self.endpoint.prompt_field))
+        return batch.num_cached_tokens if self.options.prompt_tokens_details else None
 
     def abort(self, batch: Batch) -> None:
         for task in batch.tasks:
@@ -213,15 +217,8 @@ class OpenAIServing:
                 tokenizer, prompt, req), prompt, num_chars)
             if keep is not None:  # vLLM's truncation_side: "left" (None) drops the first tokens
                 ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
-            if len(ids) >= self.max_model_len:
-                raise APIError(f"{self.endpoint.prompt_field} has {len(ids)} tokens: this "
-                               f"model's maximum context length is {self.max_model_len} tokens",
-                               self.endpoint.prompt_field)
-            if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
-                name = self.wire_name("max_tokens", req)
-                raise APIError(f"{name} is {max_tokens}, with the {len(ids)} prompt tokens more "
-                               f"than this model's maximum context length "
-                               f"({self.max_model_len})", name)
+            check_prompt_ids(self.endpoint, len(ids), max_tokens, self.max_model_len,
+                             self.wire_name("max_tokens", req))
             room = self.max_model_len - len(ids)
             inputs.append((params if max_tokens is not None else dataclasses.replace(
                 params, max_tokens=room if most is None else min(most, room)), ids))
@@ -251,14 +248,16 @@ class OpenAIServing:
                                                      choice.num_chars, num_logprobs)
                     yield sse({**head, "choices": [
                         self.choice(index, choice, text, logprobs, delta=True)], **({"usage":
-                        usage_of(prompt_lens[index // n], choice.num_tokens)} if every else {})})
+                        usage_of(prompt_lens[index // n], choice.num_tokens, None,
+                                 num_reasoning([choice]))} if every else {})})
                     choice.num_chars, choice.echo = choice.num_chars + len(text), ""
             if any(c.finish_reason == "abort" for c in choices):  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
             elif options.include_usage:  # vLLM's bench client reads it from a choice-less chunk
                 yield sse({**head, "choices": [], "usage": usage_of(
-                    sum(prompt_lens), sum(c.num_tokens for c in choices), self.num_cached(batch))})
+                    sum(prompt_lens), sum(c.num_tokens for c in choices), self.num_cached(batch),
+                    num_reasoning(choices))})
             yield "data: [DONE]\n\n"
         finally:
             self.abort(batch)

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from nanoserve.entrypoints.choices import Batch, Choice
+from nanoserve.entrypoints.choices import Batch, Choice, num_reasoning
 from nanoserve.entrypoints.protocol import (
     APIError,
     ResponsesRequest,
@@ -56,7 +56,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     def tool_parser_of(self, req: ResponsesRequest) -> type[HermesToolParser] | None:
         return tool_parser_for(chat_tools(req.tools) or [], req.tool_choice,
-                               self.tool_call_parser)
+                               self.options.tool_call_parser)
 
     def num_logprobs_of(self, req: ResponsesRequest) -> int | None:
         wanted = LOGPROBS in (req.include or [])
@@ -80,7 +80,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "top_logprobs": req.top_logprobs, "parallel_tool_calls": True,
                 "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
                 "text": {"format": {"type": "text"}},
-                "truncation": "disabled", "previous_response_id": None, "reasoning": None,
+                "truncation": "disabled", "previous_response_id": None,
+                "reasoning": req.reasoning,
                 "store": False, "background": False, "user": req.user}
 
     def default(self, name: str, req: ResponsesRequest) -> float:
@@ -95,12 +96,14 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "content": [self.text_part(text, choice, num_logprobs)]}
 
     def read(self, choice: Choice) -> tuple[str, list[dict]]:
-        """The answer's text and, with tools, the calls read out of it (as chat's), each as a
-        "function_call" output item; streamed, the parser has read it all as it came."""
+        """The answer's text (after its reasoning) and, with tools, the calls read out of it (as
+        chat's), each as a "function_call" output item; streamed, the parser has read it all as
+        it came."""
+        text = "".join(choice.texts) if choice.reasoning is None else choice.reasoning.whole()[1]
         if choice.parser is None:
-            return "".join(choice.texts), []
+            return text, []
         if not choice.parser.done:
-            choice.parser.feed("".join(choice.texts), final=True)
+            choice.parser.feed(text, final=True)
         return "".join(choice.parser.content), [
             {"type": "function_call", "id": "fc_" + call["id"].rpartition("-")[2],
              "call_id": call["id"], "name": call["function"]["name"],
@@ -116,18 +119,20 @@ class OpenAIServingResponses(OpenAIServingChat):
         return [] if num_logprobs is None else self.logprobs(entries, 0, num_logprobs)["content"]
 
     def finished(self, head: dict, choice: Choice, batch: Batch, num_prompt_tokens: int,
-                 num_logprobs: int | None, item_id: str) -> dict:
+                 num_logprobs: int | None, item_id: str, reasoning_id: str) -> dict:
         """The response once its one completion has finished: its status, output and usage."""
         status = STATUS.get(choice.finish_reason, "completed")
         incomplete = status == "incomplete"
         text, calls = self.read(choice)
         message = self.message(item_id, text, choice, num_logprobs,
                                "incomplete" if incomplete else "completed")
+        reasoning = [] if choice.reasoning is None or not (r := choice.reasoning.whole()[0]) \
+            else [reasoning_item(reasoning_id, r, "completed")]
         usage = {"input_tokens": num_prompt_tokens, "output_tokens": choice.num_tokens,
                  "total_tokens": num_prompt_tokens + choice.num_tokens,
                  "input_tokens_details": {"cached_tokens": batch.num_cached_tokens},
-                 "output_tokens_details": {"reasoning_tokens": 0}}
-        return {**head, "status": status, "output": [message, *calls], "usage": usage,
+                 "output_tokens_details": {"reasoning_tokens": num_reasoning([choice]) or 0}}
+        return {**head, "status": status, "output": [*reasoning, message, *calls], "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "error": {"code": "server_error", "message": choice.error}
                 if status == "failed" else None}
@@ -135,43 +140,58 @@ class OpenAIServingResponses(OpenAIServingChat):
     def answer(self, head: dict, choices: list[Choice], batch: Batch, num_prompt_tokens: int,
                num_logprobs: int | None) -> dict:
         return self.finished(head, choices[0], batch, num_prompt_tokens, num_logprobs,
-                             f"msg_{uuid.uuid4().hex}")
+                             f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}")
 
     async def stream(self, batch: Batch, head: dict, choices: list[Choice], n: int,
                      prompt_lens: list[int], options: StreamOptions, num_logprobs: int | None):
-        """OpenAI's events for one message of one text part; closing it (a disconnect) aborts."""
-        [choice], item_id, number = choices, f"msg_{uuid.uuid4().hex}", itertools.count()
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        """OpenAI's events: the reasoning's item (with --reasoning-parser, where the model
+        reasons), then the message's of one text part, each added as its first text comes;
+        closing it (a disconnect) aborts."""
+        [choice], number = choices, itertools.count()
+        item_id, reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
+        items: list[str] = []  # the items added so far, in their order: their output_index
         try:
             yield event("response.created", next(number), response=head)
             yield event("response.in_progress", next(number), response=head)
-            yield event("response.output_item.added", next(number), output_index=0,
-                        item={**self.message(item_id, "", choice, None, "in_progress"),
-                              "content": []})
-            yield event("response.content_part.added", next(number), **where,
-                        part=self.text_part("", choice, None))
             async for _, c in batch.outputs(1):
                 start = len(choice.logprobs)
                 choice.add(c)
-                delta = c.text
-                if choice.parser is not None and (c.text or c.finish_reason):
-                    delta, _ = choice.parser.feed(c.text, final=c.finish_reason is not None)
+                reasoning, delta = "", c.text
+                if choice.reasoning is not None:
+                    reasoning, delta = choice.reasoning.last
+                if reasoning:
+                    for kind, data in self.open_reasoning(items, reasoning_id):
+                        yield event(kind, next(number), **data)
+                    yield event("response.reasoning_text.delta", next(number),
+                                item_id=reasoning_id, output_index=0, content_index=0,
+                                delta=reasoning)
+                if choice.parser is not None and (delta or c.finish_reason):
+                    delta, _ = choice.parser.feed(delta, final=c.finish_reason is not None)
                 if delta:  # (with tools, text that may begin a call is held back)
-                    yield event("response.output_text.delta", next(number), **where,
-                                delta=delta, logprobs=self.token_logprobs(
-                                    choice.logprobs[start:], num_logprobs))
+                    for kind, data in self.open_message(items, item_id, reasoning_id, choice):
+                        yield event(kind, next(number), **data)
+                    yield event("response.output_text.delta", next(number), item_id=item_id,
+                                output_index=len(items) - 1, content_index=0, delta=delta,
+                                logprobs=self.token_logprobs(choice.logprobs[start:],
+                                                             num_logprobs))
             if choice.finish_reason == "abort":  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)
                 return
-            done = self.finished(head, choice, batch, prompt_lens[0], num_logprobs, item_id)
-            message, *calls = done["output"]
+            for kind, data in self.open_message(items, item_id, reasoning_id, choice):
+                yield event(kind, next(number), **data)  # (where no text came)
+            done = self.finished(head, choice, batch, prompt_lens[0], num_logprobs, item_id,
+                                 reasoning_id)
+            *_, message = done["output"][:len(items)]
+            calls = done["output"][len(items):]
             [part] = message["content"]
+            where = {"item_id": item_id, "output_index": len(items) - 1, "content_index": 0}
             yield event("response.output_text.done", next(number), **where, text=part["text"],
                         logprobs=part["logprobs"])
             yield event("response.content_part.done", next(number), **where, part=part)
-            yield event("response.output_item.done", next(number), output_index=0, item=message)
-            for index, call in enumerate(calls, 1):  # each whole, once its text has come
+            yield event("response.output_item.done", next(number), output_index=len(items) - 1,
+                        item=message)
+            for index, call in enumerate(calls, len(items)):  # each whole, once its text came
                 at = {"item_id": call["id"], "output_index": index}
                 yield event("response.output_item.added", next(number), output_index=index,
                             item={**call, "arguments": "", "status": "in_progress"})
@@ -186,3 +206,37 @@ class OpenAIServingResponses(OpenAIServingChat):
             yield event("response.completed", next(number), response=done)
         finally:
             self.abort(batch)
+
+    def open_reasoning(self, items: list[str], reasoning_id: str):
+        """The reasoning item's first events, once (it comes first, or not at all)."""
+        if not items:
+            items.append(reasoning_id)
+            yield "response.output_item.added", {
+                "output_index": 0, "item": reasoning_item(reasoning_id, None, "in_progress")}
+            yield "response.content_part.added", {
+                "item_id": reasoning_id, "output_index": 0, "content_index": 0,
+                "part": {"type": "reasoning_text", "text": ""}}
+
+    def open_message(self, items: list[str], item_id: str, reasoning_id: str, choice: Choice):
+        """The message item's first events, once; before them, the reasoning's last."""
+        if item_id in items:
+            return
+        if items:  # the reasoning is over: all of it came
+            text, at = choice.reasoning.whole()[0], {"item_id": reasoning_id, "output_index": 0}
+            yield "response.reasoning_text.done", {**at, "content_index": 0, "text": text}
+            yield "response.content_part.done", {**at, "content_index": 0, "part": {
+                "type": "reasoning_text", "text": text}}
+            yield "response.output_item.done", {
+                "output_index": 0, "item": reasoning_item(reasoning_id, text, "completed")}
+        items.append(item_id)
+        yield "response.output_item.added", {"output_index": len(items) - 1, "item": {
+            **self.message(item_id, "", choice, None, "in_progress"), "content": []}}
+        yield "response.content_part.added", {
+            "item_id": item_id, "output_index": len(items) - 1, "content_index": 0,
+            "part": self.text_part("", choice, None)}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    """A Responses reasoning output item (vLLM's), its text one "reasoning_text" part."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}

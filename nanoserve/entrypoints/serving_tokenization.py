@@ -9,13 +9,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.entrypoints.protocol import (
-    APIError,
-    DetokenizeRequest,
-    TokenizeRequest,
-    chat_chars,
-    check_model,
-)
+from nanoserve.entrypoints.protocol import APIError, DetokenizeRequest, TokenizeRequest, check_model
+from nanoserve.entrypoints.request_prompts import chat_chars
 from nanoserve.entrypoints.serving_chat import render
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import DETOKENIZE, TOKENIZE, check_request

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from nanoserve.entrypoints.engine_thread import ShuttingDown
 from nanoserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -32,6 +33,9 @@ from nanoserve.entrypoints.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    param_of,
+)
+from nanoserve.entrypoints.request_prompts import (
     chat_chars,
     chat_prompt,
     completion_chars,
@@ -67,7 +71,7 @@ NO_OP_CHAT = {**NO_OP, "functions": (None, []), "function_call": (None, "none", 
 NO_OP_RESPONSES = {**NO_OP, "n": (None, 1), "use_beam_search": (None, False),
                    "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
                    "previous_response_id": (None,),
-                   "background": (None, False), "prompt": (None,), "reasoning": (None,),
+                   "background": (None, False), "prompt": (None,),
                    "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"),
                    "conversation": (None,), "previous_response": (None,),
                    "truncation_side": (None,), "return_token_ids": (None, False),
@@ -210,3 +214,24 @@ def check_prompt_length(endpoint: Endpoint, num_chars: int, longest: int,
                        f"{fewest} tokens: this model's maximum context length is "
                        f"{max_model_len} tokens", endpoint.prompt_field)
 
+
+def check_prompt_ids(endpoint: Endpoint, num_ids: int, max_tokens: int | None,
+                     max_model_len: int, max_tokens_name: str) -> None:
+    """A tokenized prompt too long for the context, alone or with `max_tokens`: a 400."""
+    if num_ids >= max_model_len:
+        raise APIError(f"{endpoint.prompt_field} has {num_ids} tokens: this model's maximum "
+                       f"context length is {max_model_len} tokens", endpoint.prompt_field)
+    if max_tokens is not None and num_ids + max_tokens > max_model_len:
+        raise APIError(f"{max_tokens_name} is {max_tokens}, with the {num_ids} prompt tokens "
+                       f"more than this model's maximum context length ({max_model_len})",
+                       max_tokens_name)
+
+
+def refusal(error: BaseException, endpoint: Endpoint) -> APIError:
+    """What the engine thread's add raised, as the client's error."""
+    if isinstance(error, ShuttingDown):
+        return APIError("the server is shutting down", None, 503)
+    if not isinstance(error, ValueError):
+        return APIError(f"the engine failed to add the request: {error!r}", None, 500)
+    fields = set(endpoint.request_model.model_fields)
+    return APIError(str(error), param_of(str(error), fields, endpoint.prompt_field))

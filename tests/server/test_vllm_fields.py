@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.body_checker import ENDPOINTS
-from nanoserve.entrypoints.protocol import APIError, ResponsesRequest, responses_prompt
+from nanoserve.entrypoints.protocol import APIError, ResponsesRequest
+from nanoserve.entrypoints.request_prompts import responses_prompt
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
 from nanoserve.entrypoints.validation import check_no_ops
@@ -205,7 +206,8 @@ def test_reasoning_effort_reaches_the_chat_template(effort, kwargs, seen):
     """vLLM's: the template's reasoning_effort (over the request's kwargs), and enable_thinking
     unless the request's kwargs set it ("none": off)."""
     from nanoserve.entrypoints.prompts import chat_prompts
-    from nanoserve.entrypoints.protocol import ChatCompletionRequest, chat_prompt
+    from nanoserve.entrypoints.protocol import ChatCompletionRequest
+    from nanoserve.entrypoints.request_prompts import chat_prompt
 
     req = ChatCompletionRequest(messages=MESSAGES, reasoning_effort=effort,
                                 chat_template_kwargs=kwargs)
