@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 
 import prometheus_client as prom
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -44,9 +43,15 @@ from nanoserve.entrypoints.cli_args import (
     http_limits,
     log_stats_interval,
     parse_args,
+    serving_options,
 )
 from nanoserve.entrypoints.engine_thread import EngineThread
-from nanoserve.entrypoints.launcher import UvicornServer, request_id_headers
+from nanoserve.entrypoints.launcher import (
+    UvicornServer,
+    address,
+    request_id_headers,
+    uvicorn_config,
+)
 from nanoserve.entrypoints.metrics import LoggingStatLogger
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
@@ -67,11 +72,12 @@ from nanoserve.entrypoints.validation import (
 
 
 class Server:
-    def __init__(self, engine: EngineThread, model_name: str, api_key: str | None = None,
+    def __init__(self, engine: EngineThread, model_name: str, api_keys: list[str] | None = None,
                  options: ServingOptions | None = None,
-                 log_stats_interval: float | None = 10.0) -> None:
+                 log_stats_interval: float | None = 10.0, fastapi_docs: bool = True) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
-        self.model_name, self.api_key = model_name, api_key
+        self.model_name = model_name
+        self.api_keys = [f"Bearer {key}".encode() for key in api_keys or []]
         self.draining = False  # shutting down: new requests get a 503
         self.log_stats_interval = log_stats_interval  # vLLM's stat line (None: none)
         self.max_model_len = self.llm.config.max_model_len
@@ -81,10 +87,12 @@ class Server:
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
         self.responses = OpenAIServingResponses(*serving)
-        self.tokenization = OpenAIServingTokenization(model_name, self.tokenizers,
-                                                      self.max_model_len, len(self.llm.tokenizer))
+        self.tokenization = OpenAIServingTokenization(
+            model_name, self.tokenizers, self.max_model_len, len(self.llm.tokenizer),
+            options.default_chat_template_kwargs if options else None)
         self.bodies = BodyChecker(longest, self.max_model_len)
-        self.app = FastAPI(lifespan=self.lifespan)
+        docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+        self.app = FastAPI(lifespan=self.lifespan, **docs)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
         self.app.get("/version")(lambda: {"version": version("nanoserve")})  # vLLM's, ours
@@ -110,11 +118,12 @@ class Server:
         await self.bodies.close()
 
     def authorize(self, request: Request) -> None:
-        """In constant time: how long the comparison takes says nothing of the key."""
-        if self.api_key is None:
+        """In constant time: how long the comparisons take says nothing of the keys (each is
+        compared, whichever matches)."""
+        if not self.api_keys:
             return
         given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+        if not sum(hmac.compare_digest(given, key) for key in self.api_keys):
             raise APIError("missing or wrong API key", None, 401)
 
     async def health(self) -> Response:
@@ -203,24 +212,18 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    options = ServingOptions(args.enable_prompt_tokens_details,
-                             args.tool_call_parser if args.enable_auto_tool_choice else None,
-                             args.return_tokens_as_token_ids, args.reasoning_parser)
-    server = Server(engine, name, args.api_key, options, interval)
+    server = Server(engine, name, args.api_key, serving_options(args), interval,
+                    fastapi_docs=not args.disable_fastapi_docs)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,
                                   allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers)
-    print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 "
+    print(f"nanoserve: serving {name} on {address(args)} "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
-    limits = http_limits(args)
     app = request_id_headers(server.app) if args.enable_request_id_headers else server.app
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level, http=limits.protocol(),
-                            timeout_keep_alive=args.timeout_keep_alive,
-                            timeout_graceful_shutdown=args.shutdown_timeout + UvicornServer.GRACE)
+    config = uvicorn_config(app, args, http_limits(args).protocol())
     UvicornServer(config, server, args.shutdown_timeout).run()
     llm.shutdown()  # tensor parallel: the other ranks
     if engine.fatal is not None:

@@ -18,6 +18,7 @@ from typing import Any
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
 from nanoserve.entrypoints.reasoning_parser import PARSERS as REASONING_PARSERS
+from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.tool_parser import PARSERS
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
@@ -31,7 +32,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="required as 'Authorization: Bearer KEY' (any of them)")
+    p.add_argument("--uds", default=None, help="listen on this Unix socket, not --host/--port")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves it under")
+    for flag in ("ssl-keyfile", "ssl-certfile", "ssl-ca-certs"):  # HTTPS (uvicorn's)
+        p.add_argument(f"--{flag}", default=None)
+    p.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="client certificates: 0 none, 1 optional, 2 required (Python's ssl)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
@@ -39,6 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no stat line on stderr every 10 s (NANOSERVE_LOG_STATS_INTERVAL)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's")
+    p.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
+                   help='JSON options under each request\'s, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='tool_choice "none": the template is not shown the tools')
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream says its usage, each chunk its own so far")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc, /openapi.json")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
     p.add_argument("--generation-config", default="auto",
                    help="whose sampling defaults apply: 'auto' (the model's "
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
@@ -105,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model = args.model_flag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's rule
         p.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if not isinstance(args.default_chat_template_kwargs, (dict, type(None))):
+        p.error("--default-chat-template-kwargs must be a JSON object")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        p.error("--ssl-cert-reqs must be 0, 1 or 2")
     return args
 
 
@@ -166,3 +187,13 @@ def engine_config(args: argparse.Namespace) -> dict:
     if args.no_fast_paths:
         config["enable_fast_paths"] = False
     return config
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """The flags that shape the answers (serving_engine.ServingOptions)."""
+    return ServingOptions(args.enable_prompt_tokens_details,
+                          args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          args.return_tokens_as_token_ids, args.reasoning_parser,
+                          args.default_chat_template_kwargs,
+                          args.exclude_tools_when_tool_choice_none,
+                          args.enable_force_include_usage)

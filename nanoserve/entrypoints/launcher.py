@@ -1,9 +1,11 @@
 """vLLM's entrypoints/launcher.py: the uvicorn server the app runs in, with nanoserve's way of
-ending (§3's loop keeps serving what it has accepted until it is done, or until a deadline);
-and what may wrap the app there (vLLM's --enable-request-id-headers)."""
+ending (§3's loop keeps serving what it has accepted until it is done, or until a deadline),
+where it listens (the flags' uvicorn settings); and what may wrap the app there (vLLM's
+--enable-request-id-headers)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import signal
@@ -65,3 +67,25 @@ def request_id_headers(app: Any) -> Any:
             await send(message)
         await app(scope, receive, send_with_id)
     return with_id
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace, http: Any) -> uvicorn.Config:
+    """The flags' uvicorn settings (vLLM's names): a Unix socket (--uds) or --host/--port,
+    HTTPS with --ssl-*, --root-path behind a proxy, the access log, the idle keep-alive and the
+    graceful end's deadline; `http`: the HTTP layer with its limits (http_limits.py)."""
+    return uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds,
+                          root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs,
+                          access_log=not args.disable_uvicorn_access_log,
+                          log_level=args.uvicorn_log_level, http=http,
+                          timeout_keep_alive=args.timeout_keep_alive,
+                          timeout_graceful_shutdown=args.shutdown_timeout + UvicornServer.GRACE)
+
+
+def address(args: argparse.Namespace) -> str:
+    """Where the API is, for the start-up line."""
+    if args.uds:
+        return f"unix:{args.uds}"
+    scheme = "https" if args.ssl_certfile else "http"
+    return f"{scheme}://{args.host}:{args.port}{args.root_path}/v1"

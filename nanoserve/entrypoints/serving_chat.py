@@ -37,8 +37,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def tokenize(self, tokenizer: Any, prompt: dict, req: ChatCompletionRequest) -> list[int]:
         """The rendered conversation's ids; add_special_tokens (vLLM's, False by default: the
-        template writes them) encodes its text with the tokenizer's own added (a BOS, for some)."""
-        rendered = render(tokenizer, prompt)
+        template writes them) encodes its text with the tokenizer's own added (a BOS, for some).
+        The server's flags: --default-chat-template-kwargs under the request's, and with
+        --exclude-tools-when-tool-choice-none no tools shown where tool_choice is "none"."""
+        hide = self.options.exclude_tools_when_tool_choice_none and req.tool_choice == "none"
+        rendered = render(tokenizer, {**prompt, "tools": None if hide else prompt["tools"],
+                                      "chat_template_kwargs": self.with_defaults(
+                                          prompt["chat_template_kwargs"])})
         if getattr(req, "add_special_tokens", False):  # (Responses have none)
             return tokenizer.encode(rendered["prompt"], add_special_tokens=True)
         return rendered["prompt_token_ids"]
@@ -61,9 +66,15 @@ class OpenAIServingChat(OpenAIServing):
         return tool_parser_for(check_tools(req.tools or []), req.tool_choice,
                                self.options.tool_call_parser)
 
+    def with_defaults(self, kwargs: dict | None) -> dict | None:
+        """The chat template's options: the request's over the server's defaults."""
+        defaults = self.options.default_chat_template_kwargs
+        return {**defaults, **(kwargs or {})} if defaults else kwargs
+
     def reasoning_parser_of(self, req: ChatCompletionRequest) -> Callable[[], Any] | None:
-        return reasoning_parser_for(self.options.reasoning_parser, template_kwargs(req),
-                                    self.end_id, getattr(req, "include_reasoning", True))
+        return reasoning_parser_for(self.options.reasoning_parser,
+                                    self.with_defaults(template_kwargs(req)), self.end_id,
+                                    getattr(req, "include_reasoning", True))
 
     def choice(self, index: int, choice: Choice, text: str, logprobs: dict | None,
                delta: bool) -> dict:

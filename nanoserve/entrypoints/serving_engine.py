@@ -52,6 +52,9 @@ class ServingOptions:
     tool_call_parser: str | None = None  # chat's, with --enable-auto-tool-choice
     as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
     reasoning_parser: str | None = None  # chat's and Responses' (reasoning_parser.py)
+    default_chat_template_kwargs: dict | None = None  # under each request's
+    exclude_tools_when_tool_choice_none: bool = False
+    force_include_usage: bool = False  # every stream's usage, each chunk's too
 
 
 class OpenAIServing:
@@ -137,8 +140,10 @@ class OpenAIServing:
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
                 return StreamingResponse(
-                    self.stream(batch, head, choices, req.n, prompt_lens,
-                                req.stream_options or StreamOptions(), params.logprobs),
+                    self.stream(batch, head, choices, req.n, prompt_lens, StreamOptions(
+                        include_usage=True, continuous_usage_stats=True) if
+                        self.options.force_include_usage else req.stream_options or
+                        StreamOptions(), params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
             async for index, c in batch.outputs(req.n):

@@ -18,15 +18,19 @@ from nanoserve.entrypoints.validation import DETOKENIZE, TOKENIZE, check_request
 
 class OpenAIServingTokenization:
     def __init__(self, model_name: str, tokenizers: TokenizerPool, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, template_defaults: dict | None = None) -> None:
         self.model_name, self.tokenizers = model_name, tokenizers
         self.max_model_len, self.vocab_size = max_model_len, vocab_size  # the tokenizer's
+        self.template_defaults = template_defaults or {}  # --default-chat-template-kwargs
 
     async def tokenize(self, body: dict) -> Response:
         """{"count", "max_model_len", "tokens", "token_strs"} (strs only if asked for)."""
         req = check_request(body, TOKENIZE)
         check_model(req.model, self.model_name)
         [prompt] = TOKENIZE.prompts_of(req)
+        if isinstance(prompt, dict):  # as chat renders it: the request's options over these
+            prompt["chat_template_kwargs"] = {**self.template_defaults,
+                                              **(prompt["chat_template_kwargs"] or {})}
         num_chars = len(prompt) if isinstance(prompt, str) else chat_chars(prompt)
         ids, strs = await self.tokenizers.run(
             lambda tokenizer, prompt: self._tokenize(tokenizer, prompt, req), prompt, num_chars)

@@ -62,7 +62,8 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/server/test_engine_thread.py", "tests/server/test_validation.py",
               "tests/server/test_forwarding.py", "tests/server/test_attacks.py",
               "tests/server/test_shutdown.py", "tests/server/test_server.py",
-              "tests/server/test_vllm_fields.py", "tests/server/test_reasoning.py"]
+              "tests/server/test_vllm_fields.py", "tests/server/test_reasoning.py",
+              "tests/server/test_launch_flags.py"]
 A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -92,7 +93,7 @@ FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "tes
               E + "serving_engine.py": [SRV + "test_forwarding.py", SRV + "test_validation.py"],
               E + "serving_completion.py": [SRV + "test_forwarding.py",
                                             SRV + "test_vllm_fields.py"],
-              E + "serving_chat.py": [SRV + "test_vllm_fields.py"],
+              E + "serving_chat.py": [SRV + "test_vllm_fields.py", SRV + "test_launch_flags.py"],
               E + "choices.py": [SRV + "test_vllm_fields.py"],
               E + "generation_config.py": [SRV + "test_forwarding.py"],
               E + "protocol.py": [SRV + "test_forwarding.py"],
@@ -471,8 +472,8 @@ MUTANTS = [
            "the reader's plain path is one flag away"),
     # -- the server (nanoserve/entrypoints/): fields on their way to the engine and back ---
     Mutant("server_api_key_substring", API,
-           'if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):',
-           'if f"Bearer {self.api_key}".encode() not in given:',
+           "if not sum(hmac.compare_digest(given, key) for key in self.api_keys):",
+           "if not any(key in given for key in self.api_keys):",
            "any Authorization header that merely contains the key is accepted",
            "--api-key: exactly 'Bearer KEY'"),
     Mutant("server_missing_model_is_404", PROTOCOL,
@@ -512,6 +513,10 @@ MUTANTS = [
            "ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)", "len(ids)",
            "the tokens after </think> in its piece count as reasoning",
            "reasoning_tokens: those up to the </think> token"),
+    Mutant("server_default_template_kwargs_over_the_requests", EP + "serving_chat.py",
+           "{**defaults, **(kwargs or {})}", "{**(kwargs or {}), **defaults}",
+           "--default-chat-template-kwargs override the request's own options",
+           "vLLM's: the request's options over the server's defaults"),
     Mutant("server_usage_without_include_usage", SERVING,
            "elif options.include_usage:  #", "else:  #",
            "a usage chunk is streamed for include_usage: false",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,9 +32,13 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, flags: list[str], name: str = "m",
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+                 env: dict[str, str] | None = None, uds: str | None = None,
+                 cafile: str | None = None) -> None:
+        """`uds`: it listens on that Unix socket (--uds); `cafile`: on HTTPS, its certificate
+        (the flags: --ssl-*) signed by that file's."""
+        self.port, self.uds, self.cafile = free_port(), uds, cafile
+        self.base = f"http{'s' if cafile else ''}://127.0.0.1:{self.port}"
+        flags = [*flags, "--uds", uds] if uds else flags
         # The log to a file: a pipe nobody reads would block the server once 64 KiB are in it.
         fd, self.log_path = tempfile.mkstemp(prefix="nanoserve-server-", suffix=".log")
         self.proc = subprocess.Popen(
@@ -46,13 +51,21 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log()}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
+                with self.http() as http:
+                    if http.get(self.base + "/health", timeout=2).status_code == 200:
+                        return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not come up in 180 s")
+
+    def http(self) -> httpx.Client:
+        """A client that reaches it (over its socket, or trusting its certificate)."""
+        if self.uds:
+            return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds))
+        return httpx.Client(verify=ssl.create_default_context(cafile=self.cafile)
+                            if self.cafile else True)
 
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
@@ -104,5 +117,6 @@ class ServerProcess:
 
 
 def post(server, path: str, content: bytes | str, headers: dict | None = None):
-    return httpx.post(server.base + path, content=content, timeout=30,
-                      headers={"content-type": "application/json", **(headers or {})})
+    with server.http() as http:
+        return http.post(server.base + path, content=content, timeout=30,
+                         headers={"content-type": "application/json", **(headers or {})})

@@ -19,6 +19,7 @@ from nanoserve.entrypoints.protocol import APIError, ResponsesRequest
 from nanoserve.entrypoints.request_prompts import responses_prompt
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
+from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.validation import check_no_ops
 from tests.common.tiny_model import tiny_model_dir
 from tests.server.harness import MAX_MODEL_LEN, TINY_FLAGS, ServerProcess
@@ -170,10 +171,13 @@ def test_add_special_tokens_is_the_tokenizers_option():
     assert completion() == completion(add_special_tokens=True) == [bos, *text]
     assert completion(add_special_tokens=False) == text
 
+    serving = OpenAIServingChat.__new__(OpenAIServingChat)  # (no engine: only its options)
+    serving.options = ServingOptions()
+
     def chat(**body):
         req = OpenAIServingChat.endpoint.request_model(messages=MESSAGES, **body)
         [prompt] = OpenAIServingChat.endpoint.prompts_of(req)
-        return OpenAIServingChat.tokenize(None, tokenizer, prompt, req)
+        return serving.tokenize(tokenizer, prompt, req)
 
     rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat() == tokenizer.encode(rendered, add_special_tokens=False)

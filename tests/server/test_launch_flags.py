@@ -1,0 +1,124 @@
+"""vLLM's server flags for where and how it listens, and for what shapes the answers
+(nanoserve/entrypoints/cli_args.py, launcher.py), each served on the bundled model:
+- --api-key with several keys (any of them), --disable-fastapi-docs (FastAPI's /docs gone);
+- --default-chat-template-kwargs under each request's (chat, /tokenize), --exclude-tools-when-
+  tool-choice-none (the template not shown the tools), --enable-force-include-usage (a stream
+  says its usage unasked, each chunk too);
+- --uds (a Unix socket), --ssl-keyfile / --ssl-certfile (HTTPS, the real `openai` client
+  trusting the certificate), --root-path (behind a proxy's prefix)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+
+from nanoserve.entrypoints.bundled import default_model_dir
+from tests.server.harness import ServerProcess, post
+
+# shows the template's options, and the tools it is given
+TEMPLATE = ("{{ 'mood=' ~ (mood if mood is defined else '-') ~ ';' }}"
+            "{{ 'tools=' ~ (tools | length if tools else 0) ~ ';' }}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+HI = [{"role": "user", "content": "Hi"}]
+FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--api-key", "key-a", "key-b",
+         "--disable-fastapi-docs", "--default-chat-template-kwargs", '{"mood": "calm"}',
+         "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="module")
+def flagged(tmp_path_factory):
+    template = tmp_path_factory.mktemp("flags") / "t.jinja"
+    template.write_text(TEMPLATE)
+    s = ServerProcess(default_model_dir(), [*FLAGS, "--chat-template", str(template)])
+    yield s
+    assert s.stop() == 0
+
+
+def rendered(server, body: dict, key: str = "key-a") -> str:
+    """The prompt text the chat endpoint gave the engine (its ids, decoded by /detokenize)."""
+    auth = {"authorization": f"Bearer {key}"}
+    out = post(server, "/v1/chat/completions", json.dumps(
+        {"messages": HI, "max_tokens": 1, "return_token_ids": True, **body}), auth)
+    assert out.status_code == 200, out.text
+    text = post(server, "/detokenize", json.dumps({"tokens": out.json()["prompt_token_ids"]}),
+                auth).json()["prompt"]
+    return text[:text.index("<|im_start|>")]
+
+
+def test_any_of_the_api_keys_opens_it(flagged):
+    for key in ("key-a", "key-b"):
+        assert flagged.client(api_key=key).models.list().data[0].id == "m"
+    for auth in ("Bearer key-c", "Bearer key-a key-b", "Bearer key-", ""):
+        r = post(flagged, "/v1/completions", '{"prompt": "a", "max_tokens": 1}',
+                 {"authorization": auth})
+        assert r.status_code == 401, auth
+
+
+def test_fastapi_docs_are_served_unless_disabled(flagged, server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.base + path).status_code == 200
+        assert httpx.get(flagged.base + path).status_code == 404
+
+
+def test_the_template_options_and_tools_the_flags_give(flagged):
+    assert rendered(flagged, {}) == "mood=calm;tools=0;"
+    assert rendered(flagged, {"chat_template_kwargs": {"mood": "glad"}}) == "mood=glad;tools=0;"
+    assert rendered(flagged, {"tools": TOOLS}, "key-b") == "mood=calm;tools=1;"
+    assert rendered(flagged, {"tools": TOOLS, "tool_choice": "none"}) == "mood=calm;tools=0;"
+    counted = post(flagged, "/tokenize", json.dumps({"messages": HI}),
+                   {"authorization": "Bearer key-a"}).json()
+    text = post(flagged, "/detokenize", json.dumps({"tokens": counted["tokens"]}),
+                {"authorization": "Bearer key-a"}).json()["prompt"]
+    assert text.startswith("mood=calm;")
+
+
+def test_every_stream_says_its_usage(flagged):
+    client = flagged.client(api_key="key-a")
+    chunks = list(client.completions.create(model="m", prompt="The sea", max_tokens=4,
+                                            stream=True, temperature=0))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3, 4]
+
+
+def self_signed(folder) -> tuple[str, str]:
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+                   timeout=60)
+    return str(key), str(cert)
+
+
+def test_https_a_unix_socket_and_a_root_path(tmp_path):
+    key, cert = self_signed(tmp_path)
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512",
+                                            "--ssl-keyfile", key, "--ssl-certfile", cert,
+                                            "--root-path", "/llm"], cafile=cert)
+    try:
+        with s.http() as http:
+            out = s.client(http_client=http).completions.create(
+                model="m", prompt="The sea is", max_tokens=3, temperature=0)
+            assert out.usage.completion_tokens == 3
+            assert http.get(s.base + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not answered
+            httpx.get(s.base.replace("https", "http") + "/health", timeout=5)
+        assert f"https://127.0.0.1:{s.port}/llm/v1" in s.log()
+    finally:
+        assert s.stop() == 0
+    socket_path = str(tmp_path / "nanoserve.sock")
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512"],
+                      uds=socket_path)
+    try:
+        r = post(s, "/v1/completions", '{"prompt": "The sea is", "max_tokens": 3}')
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.TransportError):  # nothing on the port
+            httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
+        assert f"unix:{socket_path}" in s.log()
+    finally:
+        assert s.stop() == 0
