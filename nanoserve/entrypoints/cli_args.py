@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="read the model's tool calls into tool_calls (tool_choice auto)")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+    p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
                    help="the format the model writes calls in (with --enable-auto-tool-choice)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="read a thinking model's <think> part into chat's `reasoning` (and a "

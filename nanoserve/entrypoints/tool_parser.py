@@ -1,9 +1,10 @@
-"""Tool calls in a chat answer (vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`):
-the chat template shows the model the request's `tools`, and the model writes each call as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes format that Qwen2.5,
-Qwen3 and Hermes models are trained on). The answer's text is read back here into the message's
-`tool_calls`, as it comes: streamed, a call is sent whole once its closing tag has come, and
-text that may be the start of a tag is held back until it is known not to be."""
+"""Tool calls in a chat answer (vLLM's `--enable-auto-tool-choice --tool-call-parser hermes` or
+`llama3_json`): the chat template shows the model the request's `tools`, and the model writes
+each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes format that
+Qwen2.5, Qwen3 and Hermes models are trained on) or, Llama 3.x's, as an answer of JSON objects
+`{"name": ..., "parameters": {...}}`. The answer's text is read back here into the message's
+`tool_calls`, as it comes: streamed, a call is sent whole once it has ended, and text that may
+be the start of one is held back until it is known not to be."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import uuid
 from nanoserve.entrypoints.protocol import APIError
 
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)  # --tool-call-parser's choices
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's before a call (a special token: usually not shown)
 
 
 class HermesToolParser:
@@ -45,7 +46,7 @@ class HermesToolParser:
             body = self.buffer if j < 0 else self.buffer[:j]
             self.buffer = "" if j < 0 else self.buffer[j + len(END):]
             self.in_call = False
-            if (call := self._call(body)) is None:  # not a call after all: the text as written
+            if (call := self._call(_json(body))) is None:  # not a call: the text as written
                 content.append(START + body + ("" if j < 0 else END))
             else:
                 self.calls.append(call)
@@ -53,19 +54,70 @@ class HermesToolParser:
         self.done = final
         return self.content[-1], self.calls[first:]
 
-    def _call(self, body: str) -> dict | None:
-        """The OpenAI shape of one call, or None where the body is not one (vLLM's fields)."""
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
+    def _call(self, data: object, index: int | None = None) -> dict | None:
+        """The OpenAI shape of one call, or None where the object is not one (vLLM's fields;
+        Llama's name its arguments "parameters")."""
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
-        arguments = data.get("arguments", {})
-        return {"index": len(self.calls), "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        arguments = data.get("arguments", data.get("parameters", {}))
+        index = len(self.calls) if index is None else index
+        return {"index": index, "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
                 "type": "function", "function": {"name": data["name"], "arguments": (
                     arguments if isinstance(arguments, str) else
                     json.dumps(arguments, ensure_ascii=False))}}
+
+
+class Llama3JsonToolParser(HermesToolParser):
+    """Llama 3.x's calls (vLLM's llama3_json): an answer that calls starts with one, each a JSON
+    object, several separated by ";" (after the <|python_tag|>, where it is shown). Such an
+    answer is held back until it ends, then read whole: all calls, or (one not a call) all text
+    as written; an answer that starts otherwise is text, sent as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_text = False  # it began as text: it stays text
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.buffer += text
+        head, first, content = self.buffer.lstrip(), len(self.calls), ""
+        self.in_call = self.in_call or head.startswith(("{", PYTHON_TAG))
+        if not self.in_call and (final or head and not PYTHON_TAG.startswith(head)):
+            self.is_text = True
+        if self.is_text:
+            content, self.buffer = self.buffer, ""
+        elif final:
+            calls = self._calls(head.removeprefix(PYTHON_TAG))
+            content, self.buffer = "" if calls else self.buffer, ""
+            self.calls += calls or []
+        self.content.append(content)
+        self.done = final
+        return content, self.calls[first:]
+
+    def _calls(self, text: str) -> list[dict] | None:
+        """The calls the text is, or None where it is not calls only."""
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while True:
+            while i < len(text) and text[i] in " \n\t;":  # between the calls
+                i += 1
+            if i == len(text):
+                return calls or None
+            try:
+                data, i = decoder.raw_decode(text, i)
+            except ValueError:
+                return None
+            if (call := self._call(data, len(self.calls) + len(calls))) is None:
+                return None
+            calls.append(call)
+
+
+PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}  # the flag's
+
+
+def _json(body: str) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 def _partial_tag(text: str) -> int:
@@ -111,7 +163,7 @@ def tool_parser_for(tools: list, tool_choice: object, parser: str | None
     if parser is None:
         raise APIError('tool_choice "auto" needs the server started with '
                        '--enable-auto-tool-choice and --tool-call-parser', "tool_choice")
-    return HermesToolParser
+    return PARSERS[parser]
 
 
 def check_tools(tools: object) -> list:

@@ -63,7 +63,7 @@ FAST_TESTS = ["tests/core/test_scheduler.py", "tests/core/test_scheduler_vllm.py
               "tests/server/test_forwarding.py", "tests/server/test_attacks.py",
               "tests/server/test_shutdown.py", "tests/server/test_server.py",
               "tests/server/test_vllm_fields.py", "tests/server/test_reasoning.py",
-              "tests/server/test_launch_flags.py"]
+              "tests/server/test_launch_flags.py", "tests/server/test_tool_calls.py"]
 A, AC, AT = "nanoserve_accel/", "nanoserve_accel/csrc/", "nanoserve_accel/tests/"
 FIRST = {"nanoserve/layers/sampler.py": ["tests/core/test_sampler.py",
                                          "tests/core/test_sampling.py"],
@@ -99,6 +99,7 @@ FIRST.update({E + "engine_thread.py": [SRV + "test_engine_thread.py", SRV + "tes
               E + "protocol.py": [SRV + "test_forwarding.py"],
               E + "request_prompts.py": [SRV + "test_forwarding.py"],
               E + "reasoning_parser.py": [SRV + "test_reasoning.py"],
+              E + "tool_parser.py": [SRV + "test_tool_calls.py"],
               E + "launcher.py": [SRV + "test_shutdown.py"],
               E + "body_checker.py": [SRV + "test_body_checker.py"],
               E + "metrics.py": [SRV + "test_forwarding.py"],
@@ -513,6 +514,10 @@ MUTANTS = [
            "ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)", "len(ids)",
            "the tokens after </think> in its piece count as reasoning",
            "reasoning_tokens: those up to the </think> token"),
+    Mutant("server_llama_python_tag_is_text", EP + "tool_parser.py",
+           'head.startswith(("{", PYTHON_TAG))', 'head.startswith("{")',
+           "a Llama call after its <|python_tag|> is taken as text",
+           "vLLM's llama3_json: the tag may come first"),
     Mutant("server_default_template_kwargs_over_the_requests", EP + "serving_chat.py",
            "{**defaults, **(kwargs or {})}", "{**(kwargs or {}), **defaults}",
            "--default-chat-template-kwargs override the request's own options",

@@ -7,7 +7,9 @@ nanoserve/entrypoints/tool_parser.py):
   call comes back as `tool_calls` (finish_reason "tool_calls"), streamed or not, through the
   real `openai` client, and the conversation goes on with the tool's answer; the Responses API
   the same, its calls `function_call` items, its input taking them and their outputs back;
-- tool_choice rules: "auto" needs the flags, a forced call is refused, "none" reads nothing."""
+- tool_choice rules: "auto" needs the flags, a forced call is refused, "none" reads nothing;
+- Llama 3.x's JSON calls (--tool-call-parser llama3_json): the parser without a model (an answer
+  of calls read whole, any other answer text), and served the same way as Hermes'."""
 
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ import json
 import pytest
 
 from nanoserve.entrypoints.bundled import default_model_dir
-from nanoserve.entrypoints.tool_parser import HermesToolParser, template_messages
+from nanoserve.entrypoints.tool_parser import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    template_messages,
+)
 from tests.server.harness import ServerProcess, post
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Hà Nội"}}\n</tool_call>'
@@ -226,3 +232,77 @@ def test_responses_read_the_call_into_a_function_call_item(tool_server):
     answer = client.responses.create(model="m", input=follow, tools=RESPONSES_TOOLS,
                                      temperature=0, max_output_tokens=30)
     assert answer.output_text and [item.type for item in answer.output] == ["message"]
+
+
+# -- Llama 3.x's JSON calls ---------------------------------------------------------------------
+
+def read_llama(text: str, size: int) -> tuple[str, list]:
+    parser, content, calls = Llama3JsonToolParser(), "", []
+    chunks = pieces(text, size) or [""]
+    for i, chunk in enumerate(chunks):
+        got, new = parser.feed(chunk, final=i == len(chunks) - 1)
+        content, calls = content + got, calls + new
+    return content, [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in calls]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("text, read", [
+    ('{"name": "f", "parameters": {"city": "Huế"}}', ("", [(0, "f", {"city": "Huế"})])),
+    (' <|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}}',
+     ("", [(0, "f", {}), (1, "g", {"x": 1})])),
+    ('It is {"name": "f"}', ('It is {"name": "f"}', [])),  # text first: text
+    ('{"name": "f", "parameters": {}} and so', ('{"name": "f", "parameters": {}} and so', [])),
+    ('{"nome": "f"}', ('{"nome": "f"}', [])), ("{broken", ("{broken", [])), ("<|py", ("<|py", []))])
+def test_llama_calls_are_read_whole_or_are_text(size, text, read):
+    assert read_llama(text, size) == read
+
+
+def test_llama_text_is_sent_as_it_comes():
+    parser = Llama3JsonToolParser()
+    assert parser.feed(" ") == ("", []) and parser.feed("Hi") == (" Hi", [])
+    assert parser.feed(' {"name": "f"}', final=True) == (' {"name": "f"}', [])
+
+
+LLAMA_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. The tools: "
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}\nTo call one, answer with only "
+    "{\"name\": ..., \"parameters\": ...}.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>ipython\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_llama_call_comes_back_as_tool_calls(tmp_path):
+    template = tmp_path / "llama.jinja"
+    template.write_text(LLAMA_TEMPLATE)
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "1024",
+                                            "--chat-template", str(template),
+                                            "--enable-auto-tool-choice",
+                                            "--tool-call-parser", "llama3_json"])
+    try:
+        client = s.client()
+        out = client.chat.completions.create(model="m", messages=EXAMPLE, tools=TOOLS,
+                                             temperature=0, max_tokens=40)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather", {"city": "London"})
+        streamed = list(client.chat.completions.create(
+            model="m", messages=EXAMPLE, tools=TOOLS, temperature=0, max_tokens=40,
+            stream=True))
+        deltas = [c.choices[0].delta for c in streamed if c.choices]
+        [[delta_call]] = [d.tool_calls for d in deltas if d.tool_calls]
+        assert (delta_call.function.name, delta_call.function.arguments) == (
+            call.function.name, call.function.arguments)
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(model="m", messages=EXAMPLE[:1], tools=TOOLS,
+                                               temperature=0, max_tokens=20)
+        assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    finally:
+        assert s.stop() == 0
