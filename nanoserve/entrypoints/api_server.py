@@ -37,6 +37,7 @@ from nanoserve import LLM
 from nanoserve.entrypoints.body_checker import BodyChecker
 from nanoserve.entrypoints.bundled import MODEL_NAME
 from nanoserve.entrypoints.cli_args import (
+    ServingOptions,
     chat_template,
     engine_config,
     engine_threads,
@@ -56,7 +57,6 @@ from nanoserve.entrypoints.metrics import LoggingStatLogger
 from nanoserve.entrypoints.protocol import APIError
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
-from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.serving_responses import OpenAIServingResponses
 from nanoserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool

@@ -1,4 +1,5 @@
-"""`nanoserve serve`'s flags (vLLM's entrypoints/openai/cli_args.py): the server's own, the HTTP
+"""`nanoserve serve`'s flags (vLLM's entrypoints/openai/cli_args.py): the server's own (those
+that shape the answers: ServingOptions), the HTTP
 layer's limits (http_limits.py; vLLM's h11 names are aliases), and the engine's settings under
 vLLM's names (engine_config: the LLM's settings from them); and the engine's thread count, from
 --reserved-cpus."""
@@ -18,10 +19,22 @@ from typing import Any
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
 from nanoserve.entrypoints.reasoning_parser import PARSERS as REASONING_PARSERS
-from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.tool_parser import PARSERS
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
+
+
+@dataclasses.dataclass
+class ServingOptions:
+    """The server's flags that shape its answers (vLLM's names)."""
+
+    prompt_tokens_details: bool = False  # usage's cached_tokens
+    tool_call_parser: str | None = None  # chat's, with --enable-auto-tool-choice
+    as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
+    reasoning_parser: str | None = None  # chat's and Responses' (reasoning_parser.py)
+    default_chat_template_kwargs: dict | None = None  # under each request's
+    exclude_tools_when_tool_choice_none: bool = False
+    force_include_usage: bool = False  # every stream's usage, each chunk's too
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,7 +203,7 @@ def engine_config(args: argparse.Namespace) -> dict:
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
-    """The flags that shape the answers (serving_engine.ServingOptions)."""
+    """The flags that shape the answers (ServingOptions, above)."""
     return ServingOptions(args.enable_prompt_tokens_details,
                           args.tool_call_parser if args.enable_auto_tool_choice else None,
                           args.return_tokens_as_token_ids, args.reasoning_parser,

@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.choices import Batch, Choice, choices_of, num_reasoning
+from nanoserve.entrypoints.cli_args import ServingOptions
 from nanoserve.entrypoints.engine_thread import EngineThread
 from nanoserve.entrypoints.generation_config import request_params
 from nanoserve.entrypoints.protocol import (
@@ -42,19 +43,6 @@ from nanoserve.entrypoints.validation import (
     refusal,
 )
 from nanoserve.layers.sampler import Logprob
-
-
-@dataclasses.dataclass
-class ServingOptions:
-    """The server's flags that shape its answers (vLLM's names)."""
-
-    prompt_tokens_details: bool = False  # usage's cached_tokens
-    tool_call_parser: str | None = None  # chat's, with --enable-auto-tool-choice
-    as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
-    reasoning_parser: str | None = None  # chat's and Responses' (reasoning_parser.py)
-    default_chat_template_kwargs: dict | None = None  # under each request's
-    exclude_tools_when_tool_choice_none: bool = False
-    force_include_usage: bool = False  # every stream's usage, each chunk's too
 
 
 class OpenAIServing:
@@ -139,11 +127,11 @@ class OpenAIServing:
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
+                usage = StreamOptions(include_usage=True, continuous_usage_stats=True) if \
+                    self.options.force_include_usage else req.stream_options or StreamOptions()
                 return StreamingResponse(
-                    self.stream(batch, head, choices, req.n, prompt_lens, StreamOptions(
-                        include_usage=True, continuous_usage_stats=True) if
-                        self.options.force_include_usage else req.stream_options or
-                        StreamOptions(), params.logprobs),
+                    self.stream(batch, head, choices, req.n, prompt_lens, usage,
+                                params.logprobs),
                     media_type="text/event-stream",
                     background=BackgroundTask(self.abort, batch))
             async for index, c in batch.outputs(req.n):

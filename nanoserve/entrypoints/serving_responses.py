@@ -111,8 +111,9 @@ class OpenAIServingResponses(OpenAIServingChat):
             for call in choice.parser.calls]
 
     def text_part(self, text: str, choice: Choice, num_logprobs: int | None) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [],
-                "logprobs": self.token_logprobs(choice.logprobs, num_logprobs)}
+        """The message's text; its logprobs those of the tokens after the reasoning's."""
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs":
+                self.token_logprobs(choice.logprobs[num_reasoning([choice]) or 0:], num_logprobs)}
 
     def token_logprobs(self, entries: list, num_logprobs: int | None) -> list:
         """The chat's per-token logprobs (each token's, and its top N): the same entries."""
@@ -172,8 +173,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                         yield event(kind, next(number), **data)
                     yield event("response.output_text.delta", next(number), item_id=item_id,
                                 output_index=len(items) - 1, content_index=0, delta=delta,
-                                logprobs=self.token_logprobs(choice.logprobs[start:],
-                                                             num_logprobs))
+                                logprobs=self.token_logprobs(choice.logprobs[max(
+                                    start, num_reasoning([choice]) or 0):], num_logprobs))
             if choice.finish_reason == "abort":  # shutdown or a failed step
                 error = self.aborted()
                 yield error_event(error.message, error.code)

@@ -166,6 +166,20 @@ def test_responses_put_the_reasoning_item_first(thinking_server, tokenizer):
         whole.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert final.output[0].content[0].text == part.text and final.output_text == whole.output_text
+    # the message's logprobs are its own tokens', whole or streamed
+    asked = {"include": ["message.output_text.logprobs"]}
+    body = {"model": "m", "input": QUESTION, "temperature": 0, "max_output_tokens": 40, **asked}
+    answer = post(thinking_server, "/v1/responses", json.dumps(body)).json()
+    usage = answer["usage"]
+    [logprobs] = [o["content"][0]["logprobs"] for o in answer["output"] if o["type"] == "message"]
+    assert len(logprobs) == usage["output_tokens"] - usage["output_tokens_details"][
+        "reasoning_tokens"] > 0
+    streamed = post(thinking_server, "/v1/responses", json.dumps({**body, "stream": True}))
+    deltas = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ")]
+    assert [lp for d in deltas if d["type"] == "response.output_text.delta"
+            for lp in d["logprobs"]] == logprobs[:-1]  # (the EOS has no text: no delta)
+    assert logprobs[-1]["token"] == "<|im_end|>"
 
 
 def test_qwen3_reads_no_reasoning_where_thinking_is_off():

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 
 from nanoserve import SamplingParams
 from nanoserve.entrypoints.body_checker import ENDPOINTS
+from nanoserve.entrypoints.cli_args import ServingOptions
 from nanoserve.entrypoints.protocol import APIError, ResponsesRequest
 from nanoserve.entrypoints.request_prompts import responses_prompt
 from nanoserve.entrypoints.serving_chat import OpenAIServingChat
 from nanoserve.entrypoints.serving_completion import OpenAIServingCompletion
-from nanoserve.entrypoints.serving_engine import ServingOptions
 from nanoserve.entrypoints.validation import check_no_ops
 from tests.common.tiny_model import tiny_model_dir
 from tests.server.harness import MAX_MODEL_LEN, TINY_FLAGS, ServerProcess
