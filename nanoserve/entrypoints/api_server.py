@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
 
     def build() -> LLM:
-        llm = LLM(args.model, generation_config=args.generation_config,
+        llm = LLM(args.model, tokenizer=args.tokenizer, generation_config=args.generation_config,
                   override_generation_config=args.override_generation_config, **config)
         if args.trace_file is not None:  # every served step, for scripts/reader/trace_page.py
             llm.trace_to(args.trace_file, source="serve")

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="a directory to load the tokenizer from, in place of the model's")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="required as 'Authorization: Bearer KEY' (any of them)")
     p.add_argument("--uds", default=None, help="listen on this Unix socket, not --host/--port")

@@ -8,6 +8,7 @@ until nothing is left"."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -33,23 +34,29 @@ from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM(LLMEngine):
-    """`LLM(model=None, generation_config="auto", override_generation_config=None, **config)`;
-    model None = the bundled SmolLM2; generation_config: whose sampling defaults apply, and
-    override_generation_config settings over them (vLLM's; generation_config.py)."""
+    """`LLM(model=None, tokenizer=None, generation_config="auto", override_generation_config=None,
+    **config)`; model None = the bundled SmolLM2; tokenizer: a folder to load it from, not the
+    model's; generation_config: whose sampling defaults apply, and override_generation_config
+    settings over them (vLLM's all; generation_config.py)."""
 
-    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
-                 override_generation_config: dict | None = None, **config: object) -> None:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 **config: object) -> None:
         known = [f.name for f in dataclasses.fields(EngineConfig)]
         if unknown := [name for name in config if name not in known]:  # (vLLM's others)
             raise ValueError(f"{unknown[0]} is not a nanoserve setting; the settings are "
-                             f"{', '.join(known)}, generation_config, "
+                             f"{', '.join(known)}, tokenizer, generation_config, "
                              f"override_generation_config")
+        if tokenizer is not None and not (isinstance(tokenizer, str)
+                                          and os.path.isdir(tokenizer)):
+            raise ValueError(f"tokenizer must be None or a directory holding a tokenizer, got "
+                             f"{tokenizer!r}")
         model = model if model is not None else default_model_dir()
         self.sampling_defaults = sampling_defaults(  # before the load
             generation_config, model, override_generation_config)
         super().__init__(model, EngineConfig(**config))
         self.tokenizer = None if self.config.skip_tokenizer_init else \
-            AutoTokenizer.from_pretrained(self.model_dir)  # None: prompts are token ids, text ""
+            AutoTokenizer.from_pretrained(tokenizer or self.model_dir)  # None: prompts are ids
         self.processor = InputProcessor(self, self.tokenizer)  # prompt -> Requests, checked
         self.scheduler.stop_string_in = self._stop_string_in
         self._pending: list[RequestOutput] = []  # aborted or stray: the next step() returns them

@@ -194,6 +194,8 @@ CONFIG_CASES = [
     # contradiction (it used to chunk a 20-token prompt into five chunks of 4).
     ("trust_remote_code=True (a vLLM setting nanoserve has not)", dict(trust_remote_code=True),
      r"trust_remote_code is not a nanoserve setting; the settings are dtype, device, "),
+    ("tokenizer a folder that is not there", dict(tokenizer="no/such/folder"),
+     r"tokenizer must be None or a directory holding a tokenizer, got 'no/such/folder'"),
     ("generation_config a folder without one", dict(generation_config="no/such/folder"),
      r"generation_config must be 'auto', 'vllm' or a folder holding a generation_config.json"),
     ("long_prefill_token_threshold=4, chunked prefill off",

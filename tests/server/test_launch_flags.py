@@ -5,12 +5,15 @@
   tool-choice-none (the template not shown the tools), --enable-force-include-usage (a stream
   says its usage unasked, each chunk too);
 - --uds (a Unix socket), --ssl-keyfile / --ssl-certfile (HTTPS, the real `openai` client
-  trusting the certificate), --root-path (behind a proxy's prefix)."""
+  trusting the certificate), --root-path (behind a proxy's prefix);
+- --tokenizer (a folder of its own: its chat template is the one used)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -120,5 +123,23 @@ def test_https_a_unix_socket_and_a_root_path(tmp_path):
         with pytest.raises(httpx.TransportError):  # nothing on the port
             httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
         assert f"unix:{socket_path}" in s.log()
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_tokenizer_folder_of_its_own(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_dir()) / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "mine:{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512",
+                                            "--tokenizer", str(tmp_path)])
+    try:
+        ids = post(s, "/tokenize", json.dumps({"messages": HI})).json()["tokens"]
+        text = post(s, "/detokenize", json.dumps({"tokens": ids})).json()["prompt"]
+        assert text == "mine:Hi"
+        out = s.client().chat.completions.create(model="m", messages=HI, max_tokens=2)
+        assert out.usage.prompt_tokens == len(ids)
     finally:
         assert s.stop() == 0
