@@ -32,6 +32,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)  # its tokens so far
     new_ids: list[int] = field(default_factory=list)  # the last output's
     sent_first: bool = False  # a (streamed) choice was written for it: prompt_ids are sent
+    role: str = "assistant"  # chat's: the answer's
 
     @property
     def num_tokens(self) -> int:
@@ -61,15 +62,16 @@ def num_reasoning(choices: list[Choice]) -> int | None:
 
 
 def choices_of(req: Any, inputs: list[tuple[Any, list[int]]], echoes: list[str],
-               parser: Any, as_token_ids: bool = False, reasoning: Any = None) -> list[Choice]:
+               parser: Any, as_token_ids: bool = False, reasoning: Any = None,
+               role: str = "assistant") -> list[Choice]:
     """A request's choices, `n` a prompt (`inputs`: each prompt's params and ids; `echoes`: the
     text each prompt's choices start with; `parser`: what makes a choice's tool-call parser;
     `as_token_ids`: the server's return_tokens_as_token_ids, where the request sets none;
-    `reasoning`: what makes its reasoning parser)."""
+    `reasoning`: what makes its reasoning parser; `role`: chat's answer's)."""
     as_ids = as_token_ids if req.return_tokens_as_token_ids is None else \
         req.return_tokens_as_token_ids
     return [Choice(echo=echo, parser=parser and parser(), as_token_ids=as_ids,
-                   reasoning=reasoning and reasoning(),
+                   reasoning=reasoning and reasoning(), role=role,
                    prompt_ids=ids if req.return_token_ids else None)
             for echo, (_, ids) in zip(echoes, inputs) for _ in range(req.n)]
 

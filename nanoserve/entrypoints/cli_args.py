@@ -35,6 +35,7 @@ class ServingOptions:
     default_chat_template_kwargs: dict | None = None  # under each request's
     exclude_tools_when_tool_choice_none: bool = False
     force_include_usage: bool = False  # every stream's usage, each chunk's too
+    response_role: str = "assistant"  # chat's answer's role, after a generation prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc, /openapi.json")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--response-role", default="assistant",
+                   help="chat's answer's role where the request adds a generation prompt")
     p.add_argument("--generation-config", default="auto",
                    help="whose sampling defaults apply: 'auto' (the model's "
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
@@ -211,4 +214,4 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
                           args.return_tokens_as_token_ids, args.reasoning_parser,
                           args.default_chat_template_kwargs,
                           args.exclude_tools_when_tool_choice_none,
-                          args.enable_force_include_usage)
+                          args.enable_force_include_usage, args.response_role)

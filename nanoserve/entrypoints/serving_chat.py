@@ -66,6 +66,13 @@ class OpenAIServingChat(OpenAIServing):
         return tool_parser_for(check_tools(req.tools or []), req.tool_choice,
                                self.options.tool_call_parser)
 
+    def role_of(self, req: ChatCompletionRequest) -> str:
+        """vLLM's: --response-role after a generation prompt, else the last message's role
+        (the answer continues it)."""
+        if getattr(req, "add_generation_prompt", True) or not req.messages:  # (Responses: no)
+            return self.options.response_role
+        return req.messages[-1]["role"]
+
     def with_defaults(self, kwargs: dict | None) -> dict | None:
         """The chat template's options: the request's over the server's defaults."""
         defaults = self.options.default_chat_template_kwargs
@@ -92,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
             message |= {"content": text} if text or not (calls or reasoning) else {}
             message |= {"tool_calls": calls} if calls else {}
         else:
-            message = {"role": "assistant", "content": text if text or parsed is None else None}
+            message = {"role": choice.role, "content": text if text or parsed is None else None}
             message |= {} if parsed is None else {"reasoning": reasoning}
             if choice.parser is not None:  # no text beside the calls: null, as vLLM's
                 message |= {"content": text if text.strip() or not calls else None,
@@ -106,8 +113,8 @@ class OpenAIServingChat(OpenAIServing):
     def first_chunks(self, head: dict, choices: list[Choice]) -> list[dict]:
         """vLLM's first chat chunk: the role, for each choice (the first: the prompt's ids)."""
         return [{**head, **(self.prompt_fields(choices) if i == 0 else {}), "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}]} for i in range(len(choices))]
+            {"index": i, "delta": {"role": c.role, "content": ""}, "logprobs": None,
+             "finish_reason": None}]} for i, c in enumerate(choices)]
 
     def prompt_fields(self, choices: list[Choice]) -> dict:
         """return_token_ids: the prompt's ids, once in the answer (one prompt a chat)."""

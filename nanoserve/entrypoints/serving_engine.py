@@ -90,6 +90,9 @@ class OpenAIServing:
         """What splits a choice's reasoning from its content (chat's), or None."""
         return None
 
+    def role_of(self, req: Any) -> str:
+        return "assistant"
+
     def first_chunks(self, head: dict, choices: list[Choice]) -> list[dict]:
         return []
 
@@ -123,7 +126,8 @@ class OpenAIServing:
                     raise refusal(error, self.endpoint)
             # (once the engine took the token ids: their range is checked there)
             choices = choices_of(req, inputs, await self.echoes(req, inputs), parser,
-                                 self.options.as_token_ids, self.reasoning_parser_of(req))
+                                 self.options.as_token_ids, self.reasoning_parser_of(req),
+                                 self.role_of(req))
             head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)

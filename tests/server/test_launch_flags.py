@@ -6,7 +6,8 @@
   says its usage unasked, each chunk too);
 - --uds (a Unix socket), --ssl-keyfile / --ssl-certfile (HTTPS, the real `openai` client
   trusting the certificate), --root-path (behind a proxy's prefix);
-- --tokenizer (a folder of its own: its chat template is the one used)."""
+- --tokenizer (a folder of its own: its chat template is the one used); --response-role, and
+  the last message's role where no generation prompt is added (vLLM's)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,25 @@ def test_a_tokenizer_folder_of_its_own(tmp_path):
         assert out.usage.prompt_tokens == len(ids)
     finally:
         assert s.stop() == 0
+
+
+def test_the_answers_role(server):
+    """vLLM's: --response-role after a generation prompt, else the last message's role."""
+    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512",
+                                            "--response-role", "model"])
+    try:
+        client = s.client()
+        whole = client.chat.completions.create(model="m", messages=HI, max_tokens=2)
+        assert whole.choices[0].message.role == "model"
+        first = next(iter(client.chat.completions.create(model="m", messages=HI, max_tokens=2,
+                                                         stream=True)))
+        assert first.choices[0].delta.role == "model"
+    finally:
+        assert s.stop() == 0
+    body = {"messages": [*HI, {"role": "assistant", "content": "Hello"}], "max_tokens": 2,
+            "add_generation_prompt": False, "continue_final_message": True}
+    out = post(server, "/v1/chat/completions", json.dumps(body)).json()
+    assert out["choices"][0]["message"]["role"] == "assistant"
+    user = post(server, "/v1/chat/completions", json.dumps(
+        {"messages": HI, "max_tokens": 2, "add_generation_prompt": False})).json()
+    assert user["choices"][0]["message"]["role"] == "user"
