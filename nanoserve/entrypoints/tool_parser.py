@@ -79,14 +79,16 @@ class Llama3JsonToolParser(HermesToolParser):
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
-        head, first, content = self.buffer.lstrip(), len(self.calls), ""
-        self.in_call = self.in_call or head.startswith(("{", PYTHON_TAG))
-        if not self.in_call and (final or head and not PYTHON_TAG.startswith(head)):
-            self.is_text = True
+        first, content = len(self.calls), ""
+        if not (self.in_call or self.is_text):  # undecided: the answer's first characters
+            head = self.buffer.lstrip()
+            self.in_call = head.startswith(("{", PYTHON_TAG))
+            self.is_text = not self.in_call and (final or bool(head)
+                                                 and not PYTHON_TAG.startswith(head))
         if self.is_text:
             content, self.buffer = self.buffer, ""
         elif final:
-            calls = self._calls(head.removeprefix(PYTHON_TAG))
+            calls = self._calls(self.buffer.lstrip().removeprefix(PYTHON_TAG))
             content, self.buffer = "" if calls else self.buffer, ""
             self.calls += calls or []
         self.content.append(content)
