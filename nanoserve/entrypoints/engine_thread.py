@@ -25,10 +25,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.workers import WorkerDied
 from nanoserve.entrypoints.metrics import Metrics
 from nanoserve.entrypoints.outputs import RequestOutput
-
-
-class ShuttingDown(Exception):
-    """An add after expire(): the server is past its --shutdown-timeout (a 503)."""
+from nanoserve.entrypoints.protocol import ShuttingDown
 
 
 class Collector:

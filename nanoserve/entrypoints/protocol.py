@@ -14,6 +14,10 @@ MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no l
 # completions in one (prompts x n): one small body may not queue more requests than n alone could
 
 
+class ShuttingDown(Exception):
+    """An add after the engine thread's expire(): past --shutdown-timeout (a 503)."""
+
+
 class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              408: "RequestTimeoutError", 413: "RequestTooLargeError", 414: "URITooLongError",

@@ -25,13 +25,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from nanoserve.entrypoints.engine_thread import ShuttingDown
 from nanoserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
+    ShuttingDown,
     TokenizeRequest,
     param_of,
 )

@@ -5,6 +5,7 @@ server checks bodies itself. Also: the `stop` cap counts before it adds up lengt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entrypoints.body_checker import BIG_BYTES
+from nanoserve.entrypoints.body_checker import BIG_BYTES, BodyChecker
 from nanoserve.entrypoints.protocol import APIError
-from nanoserve.entrypoints.validation import MAX_STOP_STRINGS, check_stop
+from nanoserve.entrypoints.validation import COMPLETION, MAX_STOP_STRINGS, check_stop
 from tests.common.tiny_model import tiny_model_dir
 from tests.server.harness import MAX_MODEL_LEN, TINY_FLAGS, ServerProcess, post
 
@@ -81,6 +82,28 @@ def test_big_valid_bodies_are_served(server):
         assert r.status_code == 200 and r.json()[key], r.text
 
 
+def test_the_helper_alone_answers_without_torch():
+    """The helper process itself, no server: a refusal, an acceptance, and no torch loaded. (A
+    helper that dies at start, as it did once when validation.py came to import torch through
+    the engine thread, leaves the server parsing every body itself: only this shows it.)"""
+    async def exchange():
+        checker = BodyChecker(longest_token=10, max_model_len=MAX_MODEL_LEN)
+        await checker.start()
+        try:
+            refused = await checker.refusal(BIG_BAD[0][1].encode(), COMPLETION)
+            accepted = await checker.refusal(json.dumps(GOOD).encode() + PAD, COMPLETION)
+            alive = checker.proc is not None
+            maps = Path(f"/proc/{checker.proc.pid}/maps").read_text() if alive else ""
+        finally:
+            await checker.close()
+        return refused, accepted, alive, maps
+
+    refused, accepted, alive, maps = asyncio.run(exchange())
+    assert alive and refused is not None and refused.param == "stop", refused
+    assert accepted is None
+    assert "pydantic" in maps and "libtorch" not in maps
+
+
 def children(pid: int) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
@@ -98,6 +121,8 @@ def test_the_helper_has_no_torch_ends_with_the_server_and_can_be_lost():
     s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), TINY_FLAGS)
     try:
         [helper] = children(s.proc.pid)
+        r = post(s, BIG_BAD[0][0], BIG_BAD[0][1].encode())  # answered by the helper
+        assert r.status_code == 400 and "the body checker is gone" not in s.log(), s.log()
         assert "libtorch" not in Path(f"/proc/{helper}/maps").read_text()
         os.kill(helper, signal.SIGKILL)  # then the server checks big bodies itself
         for path, body, param in BIG_BAD[:2]:
