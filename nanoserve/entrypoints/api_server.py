@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import hmac
 import os
 import sys
@@ -227,7 +226,6 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn_config(app, args, http_limits(args).protocol())
     UvicornServer(config, server, args.shutdown_timeout).run()
     llm.shutdown()  # tensor parallel: the other ranks
-    gc.freeze()  # the interpreter's exit need not walk the heap (a KV block an object): seconds
     if engine.fatal is not None:
         sys.exit(f"nanoserve serve: {engine.fatal}")
     if engine.num_expired:

@@ -18,10 +18,13 @@ import openai
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048  # long requests, so a disconnect surely comes before their end
+# A KV cache of 1/16 GiB: 8192 blocks of the tiny model, twice what 32 requests of 2048 tokens
+# hold (the default 1 GiB, 131071 blocks, cost each server ~1.6 s to zero and list at start).
 TINY_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
-              "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+              "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+              "--kv-cache-memory-gib", "0.0625"]
 TINY_CONFIG = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "block_size": 16,
-               "max_num_seqs": 32, "max_num_batched_tokens": 512}
+               "max_num_seqs": 32, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 0.0625}
 
 
 def free_port() -> int:
@@ -62,10 +65,10 @@ class ServerProcess:
 
     def http(self) -> httpx.Client:
         """A client that reaches it (over its socket, or trusting its certificate)."""
+        verify = ssl.create_default_context(cafile=self.cafile) if self.cafile else True
         if self.uds:
-            return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds))
-        return httpx.Client(verify=ssl.create_default_context(cafile=self.cafile)
-                            if self.cafile else True)
+            return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds, verify=verify))
+        return httpx.Client(verify=verify)
 
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -82,10 +80,11 @@ def test_big_valid_bodies_are_served(server):
         assert r.status_code == 200 and r.json()[key], r.text
 
 
-def test_the_helper_alone_answers_without_torch():
-    """The helper process itself, no server: a refusal, an acceptance, and no torch loaded. (A
+def test_the_helper_alone_answers_without_torch_and_can_be_lost(caplog):
+    """The helper process itself, no server: a refusal, an acceptance, no torch loaded; once it
+    is killed, no answer (None: the server then parses every body itself) and a warning. (A
     helper that dies at start, as it did once when validation.py came to import torch through
-    the engine thread, leaves the server parsing every body itself: only this shows it.)"""
+    the engine thread, leaves the server parsing every body itself: this shows it.)"""
     async def exchange():
         checker = BodyChecker(longest_token=10, max_model_len=MAX_MODEL_LEN)
         await checker.start()
@@ -94,14 +93,19 @@ def test_the_helper_alone_answers_without_torch():
             accepted = await checker.refusal(json.dumps(GOOD).encode() + PAD, COMPLETION)
             alive = checker.proc is not None
             maps = Path(f"/proc/{checker.proc.pid}/maps").read_text() if alive else ""
+            if alive:
+                checker.proc.kill()
+                await checker.proc.wait()
+            lost = await checker.refusal(BIG_BAD[0][1].encode(), COMPLETION)
         finally:
             await checker.close()
-        return refused, accepted, alive, maps
+        return refused, accepted, alive, maps, lost
 
-    refused, accepted, alive, maps = asyncio.run(exchange())
+    refused, accepted, alive, maps, lost = asyncio.run(exchange())
     assert alive and refused is not None and refused.param == "stop", refused
-    assert accepted is None
+    assert accepted is None and lost is None
     assert "pydantic" in maps and "libtorch" not in maps
+    assert "the body checker is gone" in caplog.text
 
 
 def children(pid: int) -> list[int]:
@@ -117,22 +121,13 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_the_helper_has_no_torch_ends_with_the_server_and_can_be_lost():
+def test_the_servers_helper_answers_has_no_torch_and_ends_with_the_server():
     s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), TINY_FLAGS)
     try:
         [helper] = children(s.proc.pid)
         r = post(s, BIG_BAD[0][0], BIG_BAD[0][1].encode())  # answered by the helper
         assert r.status_code == 400 and "the body checker is gone" not in s.log(), s.log()
         assert "libtorch" not in Path(f"/proc/{helper}/maps").read_text()
-        os.kill(helper, signal.SIGKILL)  # then the server checks big bodies itself
-        for path, body, param in BIG_BAD[:2]:
-            r = post(s, path, body.encode())
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert post(s, "/v1/completions", json.dumps(GOOD).encode() + PAD).status_code == 200
-        assert "the body checker is gone" in s.log()
-        s.stop()
-        s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN), TINY_FLAGS)
-        [helper] = children(s.proc.pid)
     finally:
         assert s.stop() == 0
     deadline = time.monotonic() + 10

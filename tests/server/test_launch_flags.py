@@ -5,7 +5,7 @@
   tool-choice-none (the template not shown the tools), --enable-force-include-usage (a stream
   says its usage unasked, each chunk too);
 - --uds (a Unix socket), --ssl-keyfile / --ssl-certfile (HTTPS, the real `openai` client
-  trusting the certificate), --root-path (behind a proxy's prefix);
+  trusting the certificate), --root-path (behind a proxy's prefix): all three on one server;
 - --tokenizer (a folder of its own: its chat template is the one used); --response-role, and
   the last message's role where no generation prompt is added (vLLM's)."""
 
@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from nanoserve.entrypoints.bundled import default_model_dir
+from nanoserve.entrypoints.cli_args import parse_args
+from nanoserve.entrypoints.launcher import address
 from tests.server.harness import ServerProcess, post
 
 # shows the template's options, and the tools it is given
@@ -32,7 +34,7 @@ HI = [{"role": "user", "content": "Hi"}]
 FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--api-key", "key-a", "key-b",
          "--disable-fastapi-docs", "--default-chat-template-kwargs", '{"mood": "calm"}',
          "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--response-role", "model"]
 
 
 @pytest.fixture(scope="module")
@@ -99,33 +101,30 @@ def self_signed(folder) -> tuple[str, str]:
     return str(key), str(cert)
 
 
-def test_https_a_unix_socket_and_a_root_path(tmp_path):
+def test_https_on_a_unix_socket_behind_a_root_path(tmp_path):
+    """The three at once (one start): TLS over the socket, the real client trusting the
+    certificate; nothing on the port, plain HTTP not answered."""
     key, cert = self_signed(tmp_path)
+    socket_path = str(tmp_path / "nanoserve.sock")
     s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512",
                                             "--ssl-keyfile", key, "--ssl-certfile", cert,
-                                            "--root-path", "/llm"], cafile=cert)
+                                            "--root-path", "/llm"], uds=socket_path, cafile=cert)
     try:
         with s.http() as http:
             out = s.client(http_client=http).completions.create(
                 model="m", prompt="The sea is", max_tokens=3, temperature=0)
             assert out.usage.completion_tokens == 3
             assert http.get(s.base + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
-        with pytest.raises(httpx.TransportError):  # plain HTTP is not answered
-            httpx.get(s.base.replace("https", "http") + "/health", timeout=5)
-        assert f"https://127.0.0.1:{s.port}/llm/v1" in s.log()
-    finally:
-        assert s.stop() == 0
-    socket_path = str(tmp_path / "nanoserve.sock")
-    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512"],
-                      uds=socket_path)
-    try:
-        r = post(s, "/v1/completions", '{"prompt": "The sea is", "max_tokens": 3}')
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path)) as plain, \
+                pytest.raises(httpx.TransportError):  # plain HTTP is not answered
+            plain.get("http://127.0.0.1/health", timeout=5)
         with pytest.raises(httpx.TransportError):  # nothing on the port
             httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)
         assert f"unix:{socket_path}" in s.log()
     finally:
         assert s.stop() == 0
+    https = parse_args(["--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/llm"])
+    assert address(https) == "https://127.0.0.1:8000/llm/v1"  # the start-up line on a port
 
 
 def test_a_tokenizer_folder_of_its_own(tmp_path):
@@ -146,19 +145,14 @@ def test_a_tokenizer_folder_of_its_own(tmp_path):
         assert s.stop() == 0
 
 
-def test_the_answers_role(server):
+def test_the_answers_role(flagged, server):
     """vLLM's: --response-role after a generation prompt, else the last message's role."""
-    s = ServerProcess(default_model_dir(), ["--dtype", "float32", "--max-model-len", "512",
-                                            "--response-role", "model"])
-    try:
-        client = s.client()
-        whole = client.chat.completions.create(model="m", messages=HI, max_tokens=2)
-        assert whole.choices[0].message.role == "model"
-        first = next(iter(client.chat.completions.create(model="m", messages=HI, max_tokens=2,
-                                                         stream=True)))
-        assert first.choices[0].delta.role == "model"
-    finally:
-        assert s.stop() == 0
+    client = flagged.client(api_key="key-a")
+    whole = client.chat.completions.create(model="m", messages=HI, max_tokens=2)
+    assert whole.choices[0].message.role == "model"
+    first = next(iter(client.chat.completions.create(model="m", messages=HI, max_tokens=2,
+                                                     stream=True)))
+    assert first.choices[0].delta.role == "model"
     body = {"messages": [*HI, {"role": "assistant", "content": "Hello"}], "max_tokens": 2,
             "add_generation_prompt": False, "continue_final_message": True}
     out = post(server, "/v1/chat/completions", json.dumps(body)).json()

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.bundled import default_model_dir
-from nanoserve.entrypoints.cli_args import engine_config, parse_args
+from nanoserve.entrypoints.cli_args import chat_template, engine_config, parse_args
 from tests.common.tiny_model import VOCAB_SIZE, tiny_model_dir
 from tests.server.harness import (
     MAX_MODEL_LEN,
@@ -637,22 +637,23 @@ def test_chat_template_flag_renders_every_chat(tmp_path):
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     (tmp_path / "t.jinja").write_text(template)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir(MAX_MODEL_LEN))
+    assert chat_template(template, tokenizer) == chat_template(str(tmp_path / "t.jinja"),
+                                                               tokenizer) == template
+    with pytest.raises(ValueError, match="--chat-template no/such/template.jinja: no such file"):
+        chat_template("no/such/template.jinja", tokenizer)
     messages = [{"role": "user", "content": "Hi"}]
-    for value, flag in ((template, "--disable-log-requests"),
-                        (str(tmp_path / "t.jinja"), "--trust-remote-code")):
-        s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN),
-                          [*TINY_FLAGS, "--chat-template", value, flag, "--disable-log-stats"])
-        try:
-            r = post(s, "/tokenize", json.dumps({"messages": messages}))
-            assert r.json()["tokens"] == tokenizer.encode("<user>Hi", add_special_tokens=False)
-            out = s.client().chat.completions.create(model="m", messages=messages, max_tokens=1)
-            assert out.usage.prompt_tokens == r.json()["count"]
-        finally:
-            assert s.stop() == 0
-    for value, why in (("no/such/template.jinja", "no such file"),
-                       ("{% if %}", "does not render a message")):
-        with pytest.raises(RuntimeError, match=f"--chat-template .*{why}"):
-            ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--chat-template", value])
+    s = ServerProcess(tiny_model_dir(MAX_MODEL_LEN),
+                      [*TINY_FLAGS, "--chat-template", str(tmp_path / "t.jinja"),
+                       "--disable-log-requests", "--trust-remote-code", "--disable-log-stats"])
+    try:
+        r = post(s, "/tokenize", json.dumps({"messages": messages}))
+        assert r.json()["tokens"] == tokenizer.encode("<user>Hi", add_special_tokens=False)
+        out = s.client().chat.completions.create(model="m", messages=messages, max_tokens=1)
+        assert out.usage.prompt_tokens == r.json()["count"]
+    finally:
+        assert s.stop() == 0
+    with pytest.raises(RuntimeError, match="--chat-template does not render a message"):
+        ServerProcess(tiny_model_dir(MAX_MODEL_LEN), [*TINY_FLAGS, "--chat-template", "{% if %}"])
 
 
 def test_prompt_tokens_details_and_cors_flags(server):
