@@ -18,7 +18,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048  # long requests, so a disconnect surely comes before their end
-# A KV cache of 1/16 GiB: 8192 blocks of the tiny model, twice what 32 requests of 2048 tokens
+# A KV cache of 1/16 GiB: 8191 blocks of the tiny model, twice what 32 requests of 2048 tokens
 # hold (the default 1 GiB, 131071 blocks, cost each server ~1.6 s to zero and list at start).
 TINY_FLAGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
               "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
