@@ -173,6 +173,10 @@ def check_request(body: dict, endpoint: Endpoint) -> Any:
     """The parsed body's checks, in order, and the request as endpoint.request_model."""
     check_no_ops(body, endpoint.no_op)
     check_stop(body.get("stop"), body.get("stop_token_ids"))
+    # vLLM's rule (and OpenAI's): usage options only for a stream; an empty {} passes, as there
+    if endpoint in (COMPLETION, CHAT) and body.get("stream_options") and not body.get("stream"):
+        raise APIError(f"stream_options can only be given with stream true, got stream "
+                       f"{body.get('stream')!r:.20}", "stream_options")
     return parse(endpoint.request_model, body)
 
 

@@ -57,6 +57,8 @@ BAD_FIELDS = [  # (change to GOOD, param)
     ({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}, "stop"),
     ({"stop": ["x" * (MAX_STOP_CHARS // 2 + 1)] * 2}, "stop"),
     ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"stream": False, "stream_options": {"continuous_usage_stats": False}}, "stream_options"),
 ]
 BAD_CHAT = [  # (change to CHAT, param)
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto"
@@ -65,6 +67,7 @@ BAD_CHAT = [  # (change to CHAT, param)
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"max_completion_tokens": "2"}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
@@ -94,6 +97,7 @@ def test_no_op_values_of_unsupported_fields_are_accepted(server):
     for change in ({"logit_bias": None}, {"logit_bias": {}}, {"min_tokens": 0},
                    {"response_format": {"type": "text"}}, {"min_p": 0.0}, {"best_of": 1},
                    {"stop": ["a"] * MAX_STOP_STRINGS}, {"temperature": 1},
+                   {"stream_options": None}, {"stream_options": {}},  # vLLM's: falsy passes
                    {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0}):
         r = post(server, "/v1/completions", json.dumps({**GOOD, **change}))
         assert r.status_code == 200, (change, r.text)
