@@ -65,7 +65,7 @@ class SamplingParams:
              "seed", "None or an integer in [0, 2**64)")
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             "stop", "a string or a list of non-empty strings")
+             "stop", "a non-empty string or a list of them")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              "a bool")
         need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]")

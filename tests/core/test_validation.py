@@ -115,6 +115,8 @@ REQUEST_CASES = [
         stop_token_ids=[True])), r"stop_token_ids must be a list of integers >= 0, got \[True\]"),
     ("stop_token_ids=None", lambda llm: llm.add_request("hi", SamplingParams(
         stop_token_ids=None)), r"stop_token_ids must be a list of integers >= 0, got None"),
+    ("stop=''", lambda llm: llm.add_request("hi", SamplingParams(stop="")),
+     r"stop must be a non-empty string or a list of them, got \[''\]"),
     ("top_p set to 1.5 after construction", lambda llm: llm.add_request("hi", _mutated(top_p=1.5)),
      r"top_p must be in \(0, 1\]"),
     ("max_tokens set to 0 after construction",
