@@ -72,23 +72,23 @@ from nanoserve.entrypoints.validation import (
 
 
 class Server:
-    def __init__(self, engine: EngineThread, model_name: str, api_keys: list[str] | None = None,
-                 options: ServingOptions | None = None,
+    def __init__(self, engine: EngineThread, model_names: list[str],
+                 api_keys: list[str] | None = None, options: ServingOptions | None = None,
                  log_stats_interval: float | None = 10.0, fastapi_docs: bool = True) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
-        self.model_name = model_name
+        self.model_names = model_names  # --served-model-name: answers carry the first
         self.api_keys = [f"Bearer {key}".encode() for key in api_keys or []]
         self.draining = False  # shutting down: new requests get a 503
         self.log_stats_interval = log_stats_interval  # vLLM's stat line (None: none)
         self.max_model_len = self.llm.config.max_model_len
         self.tokenizers = TokenizerPool(self.llm.tokenizer)
         longest = longest_token(self.llm.tokenizer)
-        serving = (engine, model_name, self.tokenizers, longest, options)
+        serving = (engine, model_names, self.tokenizers, longest, options)
         self.completion = OpenAIServingCompletion(*serving)
         self.chat = OpenAIServingChat(*serving)
         self.responses = OpenAIServingResponses(*serving)
         self.tokenization = OpenAIServingTokenization(
-            model_name, self.tokenizers, self.max_model_len, len(self.llm.tokenizer),
+            model_names, self.tokenizers, self.max_model_len, len(self.llm.tokenizer),
             options.default_chat_template_kwargs if options else None)
         self.bodies = BodyChecker(longest, self.max_model_len)
         docs = {} if fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -140,9 +140,9 @@ class Server:
         except APIError as e:
             return e.response()
         return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(time.time()),
+            "id": name, "object": "model", "created": int(time.time()),
             "owned_by": "nanoserve", "root": self.llm.model_dir, "parent": None,
-            "max_model_len": self.max_model_len}]})
+            "max_model_len": self.max_model_len} for name in self.model_names]})
 
     def route(self, endpoint: Endpoint, answer: Callable[[dict], Awaitable[Response]]):
         async def handler(request: Request) -> Response:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"nanoserve serve: {engine.error}")
     if engine.error is not None:
         raise engine.error
-    name = args.served_model_name or args.model or MODEL_NAME
+    names = args.served_model_name or [args.model or MODEL_NAME]
     llm = engine.llm
     try:  # before the tokenizer threads copy the tokenizer
         if args.chat_template is not None:
@@ -212,14 +212,14 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    server = Server(engine, name, args.api_key, serving_options(args), interval,
+    server = Server(engine, names, args.api_key, serving_options(args), interval,
                     fastapi_docs=not args.disable_fastapi_docs)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
                                   allow_credentials=args.allow_credentials,
                                   allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers)
-    print(f"nanoserve: serving {name} on {address(args)} "
+    print(f"nanoserve: serving {', '.join(names)} on {address(args)} "
           f"(dtype {llm.config.dtype}, {llm.scheduler.block_manager.num_blocks} KV blocks)",
           file=sys.stderr, flush=True)
     app = request_id_headers(server.app) if args.enable_request_id_headers else server.app

@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the same, as `python -m vllm.entrypoints.openai.api_server` takes it")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give as `model` (default: the model's path); "
+                        "answers carry the first")
     p.add_argument("--tokenizer", default=None,
                    help="a directory to load the tokenizer from, in place of the model's")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",

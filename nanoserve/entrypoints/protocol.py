@@ -136,8 +136,9 @@ class DetokenizeRequest(BaseModel):  # POST /detokenize
     tokens: list[int]
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+def check_model(requested: str | None, served: list[str]) -> None:
+    """vLLM's: any of the served names (--served-model-name), or none given ("" too)."""
+    if requested and requested not in served:
         raise APIError(f"The model `{requested}` does not exist.", "model", 404)
 
 

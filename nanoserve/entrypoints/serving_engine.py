@@ -51,9 +51,10 @@ class OpenAIServing:
     chunk_object: str  # a streamed chunk's
     id_prefix: str
 
-    def __init__(self, engine: EngineThread, model_name: str, tokenizers: TokenizerPool,
+    def __init__(self, engine: EngineThread, model_names: list[str], tokenizers: TokenizerPool,
                  longest_token: int, options: ServingOptions | None = None) -> None:
-        self.engine, self.model_name, self.tokenizers = engine, model_name, tokenizers
+        self.engine, self.model_names, self.tokenizers = engine, model_names, tokenizers
+        self.model_name = model_names[0]  # the one answers carry, whichever was asked (vLLM's)
         self.options = options or ServingOptions()
         self.end_id = end_token_id(engine.llm.tokenizer) if self.options.reasoning_parser else None
         self.longest_token = longest_token  # characters (validation.longest_token)
@@ -184,7 +185,7 @@ class OpenAIServing:
     async def to_engine_inputs(self, req: Any) -> list[tuple[SamplingParams, list[int]]]:
         """Each prompt's params and token ids. Every check that costs little first, on the event
         loop (the request's fields once, each prompt's length); then the tokenizer."""
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.model_names)
         if req.priority != 0 and self.engine.llm.config.scheduling_policy != "priority":
             raise APIError(f"priority must be 0 unless the server runs --scheduling-policy "
                            f"priority (vLLM's rule), got {req.priority}", "priority")

@@ -17,16 +17,16 @@ from nanoserve.entrypoints.validation import DETOKENIZE, TOKENIZE, check_request
 
 
 class OpenAIServingTokenization:
-    def __init__(self, model_name: str, tokenizers: TokenizerPool, max_model_len: int,
+    def __init__(self, model_names: list[str], tokenizers: TokenizerPool, max_model_len: int,
                  vocab_size: int, template_defaults: dict | None = None) -> None:
-        self.model_name, self.tokenizers = model_name, tokenizers
+        self.model_names, self.tokenizers = model_names, tokenizers
         self.max_model_len, self.vocab_size = max_model_len, vocab_size  # the tokenizer's
         self.template_defaults = template_defaults or {}  # --default-chat-template-kwargs
 
     async def tokenize(self, body: dict) -> Response:
         """{"count", "max_model_len", "tokens", "token_strs"} (strs only if asked for)."""
         req = check_request(body, TOKENIZE)
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.model_names)
         [prompt] = TOKENIZE.prompts_of(req)
         if isinstance(prompt, dict):  # as chat renders it: the request's options over these
             prompt["chat_template_kwargs"] = {**self.template_defaults,
@@ -54,7 +54,7 @@ class OpenAIServingTokenization:
     async def detokenize(self, body: dict) -> Response:
         """{"prompt": the ids' text}, special tokens included (vLLM's)."""
         req: DetokenizeRequest = check_request(body, DETOKENIZE)
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.model_names)
         bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(f"tokens must be token ids in [0, {self.vocab_size}), got {bad}",

@@ -478,7 +478,7 @@ MUTANTS = [
            "any Authorization header that merely contains the key is accepted",
            "--api-key: exactly 'Bearer KEY'"),
     Mutant("server_missing_model_is_404", PROTOCOL,
-           "if requested is not None and requested != served:", "if requested != served:",
+           "if requested and requested not in served:", "if requested not in served:",
            "a request without `model` is answered 404",
            "vLLM: `model` may be left out"),
     Mutant("server_prompt_list_of_text_refused", EP + "request_prompts.py",

@@ -1,6 +1,7 @@
 """vLLM's server flags for where and how it listens, and for what shapes the answers
 (nanoserve/entrypoints/cli_args.py, launcher.py), each served on the bundled model:
 - --api-key with several keys (any of them), --disable-fastapi-docs (FastAPI's /docs gone);
+- --served-model-name with several names: each listed and taken, answers carrying the first;
 - --default-chat-template-kwargs under each request's (chat, /tokenize), --exclude-tools-when-
   tool-choice-none (the template not shown the tools), --enable-force-include-usage (a stream
   says its usage unasked, each chunk too);
@@ -34,7 +35,8 @@ HI = [{"role": "user", "content": "Hi"}]
 FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--api-key", "key-a", "key-b",
          "--disable-fastapi-docs", "--default-chat-template-kwargs", '{"mood": "calm"}',
          "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--response-role", "model"]
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--response-role", "model",
+         "--served-model-name", "m", "alias"]  # (over the harness's "m")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,25 @@ def test_any_of_the_api_keys_opens_it(flagged):
         r = post(flagged, "/v1/completions", '{"prompt": "a", "max_tokens": 1}',
                  {"authorization": auth})
         assert r.status_code == 401, auth
+
+
+def test_every_served_name_is_listed_and_taken(flagged):
+    """vLLM's: /v1/models lists each name; a request may give any of them (or none, or ""),
+    and the answer carries the first; another name is a 404 naming `model`."""
+    client = flagged.client(api_key="key-b")
+    assert [m.id for m in client.models.list().data] == ["m", "alias"]
+    assert client.completions.create(model="alias", prompt="a", max_tokens=1).model == "m"
+    assert client.chat.completions.create(model="alias", messages=HI, max_tokens=1).model == "m"
+    auth = {"authorization": "Bearer key-b"}
+    for model in ("alias", "", None):
+        body = {"prompt": "a", "max_tokens": 1} | ({} if model is None else {"model": model})
+        for path in ("/v1/completions", "/tokenize"):
+            assert post(flagged, path, json.dumps(body), auth).status_code == 200, (path, model)
+    for path, body in (("/v1/completions", {"prompt": "a"}), ("/tokenize", {"prompt": "a"}),
+                       ("/detokenize", {"tokens": [5]}),
+                       ("/v1/chat/completions", {"messages": HI})):
+        r = post(flagged, path, json.dumps(body | {"model": "alias2"}), auth)
+        assert (r.status_code, r.json()["error"]["param"]) == (404, "model"), path
 
 
 def test_fastapi_docs_are_served_unless_disabled(flagged, server):
