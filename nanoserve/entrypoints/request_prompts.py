@@ -21,15 +21,15 @@ from nanoserve.entrypoints.protocol import (
 def chat_message(message: dict, field: str = "messages", parts: tuple = ("text",),
                  label: str = "messages") -> dict:
     """{"role", "content"}; content parts ({"type": "text", "text"}; Responses: `parts`) are
-    joined, as in vLLM. An assistant message that made tool calls may have no content (OpenAI):
-    it is "" here, and the calls are left for a chat template that renders them. A bad one is a
-    400 naming `field`."""
+    joined by newlines, as vLLM joins them for a template that takes a string. An assistant
+    message that made tool calls may have no content (OpenAI): it is "" here, and the calls are
+    left for a chat template that renders them. A bad one is a 400 naming `field`."""
     role, content = message.get("role"), message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts
                                          and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
+        content = "\n".join(p["text"] for p in content)
     if not isinstance(role, str) or not isinstance(content, str):
         raise APIError(f"{label} must each have a string role and a text content, got "
                        f"{message!r:.200}", field)

@@ -41,11 +41,15 @@ def test_chat_is_generate_on_the_templates_token_ids(llm, tokenizer):
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert outputs[0].prompt == tokenizer.apply_chat_template(
         CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
-    # one conversation alone is one output; content as OpenAI's text parts is the same text
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
-                                          {"type": "text", "text": "of France?"}]}]
+    # one conversation alone is one output; OpenAI's text parts are their texts on lines of
+    # their own (vLLM's "\n".join for a template that takes a string)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                          {"type": "text", "text": "the capital of France?"}]}]
+    lines = [{"role": "user", "content": "What is\nthe capital of France?"}]
     [one] = llm.chat(parts, GREEDY, use_tqdm=False)
-    assert one.prompt_token_ids == ids[0] and one.token_ids == expected[0].token_ids
+    [two] = llm.chat(lines, GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == template_ids(tokenizer, lines) == two.prompt_token_ids
+    assert one.token_ids == two.token_ids
 
 
 def test_chat_continues_the_final_message(llm, tokenizer):
