@@ -23,7 +23,7 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops (the engine copies it). temperature below 1e-5
-    is greedy (argmax); top_k None (or -1, vLLM's spelling) is off. `seed`: the request's own
+    is greedy (argmax); top_k None (or 0 or -1, vLLM's) is off. `seed`: the request's own
     generator, reproducible for the same batch schedule. `stop` strings end it where they appear
     in its text (vLLM's semantics, entrypoints/detokenizer.py); `n` completions of one prompt;
     `logprobs` N: each output token's log-probability, and the N most likely tokens'."""
@@ -34,7 +34,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = None  # -1: None; no other negative (manual_seed would alias them)
     stop: list[str] = field(default_factory=list)  # a str is a list of one
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -46,23 +46,23 @@ class SamplingParams:
 
     def validate(self) -> None:
         need = partial(check_field, self)
-        if self.top_k == -1:  # here, not in __post_init__: params may be changed after init
-            self.top_k = None
+        if self.top_k in (-1, 0) and is_int(self.top_k):  # vLLM's "off": 0, or -1
+            self.top_k = None  # here, not in __post_init__: params may be changed after init
+        self.seed = None if self.seed == -1 and is_int(self.seed) else self.seed  # vLLM's
         need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
         # NaN fails `t >= 0` (where `t < 0` would let it through to crash the sampler).
         need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
              "temperature", "a number >= 0")
         need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(self.top_k is None or (is_int(self.top_k) and self.top_k >= 1),
-             "top_k", "-1 or None (disabled) or an integer >= 1")
+             "top_k", "None, 0 or -1 (disabled) or an integer >= 1")
         stop = self.stop_token_ids
         ids = [as_token_id(t) for t in stop] if isinstance(stop, (list, tuple)) else [None]
         need(all(t is not None and t >= 0 for t in ids), "stop_token_ids",
              "a list of integers >= 0")
         self.stop_token_ids = ids
-        # torch.Generator.manual_seed takes [-2**63, 2**64); negative seeds alias others.
         need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
-             "seed", "None or an integer in [0, 2**64)")
+             "seed", "None, -1 or an integer in [0, 2**64)")
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
              "stop", "a non-empty string or a list of them")

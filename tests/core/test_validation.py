@@ -98,19 +98,17 @@ REQUEST_CASES = [
      r"top_p must be in \(0, 1\]"),
     ("top_p=1.5", lambda llm: llm.add_request("hi", SamplingParams(top_p=1.5)),
      r"top_p must be in \(0, 1\]"),
-    ("top_k=0", lambda llm: llm.add_request("hi", SamplingParams(top_k=0)),
-     r"top_k must be -1 or None \(disabled\) or an integer >= 1"),
     ("top_k=-2", lambda llm: llm.add_request("hi", SamplingParams(top_k=-2)),
-     r"top_k must be -1 or None \(disabled\) or an integer >= 1"),
+     r"top_k must be None, 0 or -1 \(disabled\) or an integer >= 1"),
     ("top_k=True", lambda llm: llm.add_request("hi", SamplingParams(top_k=True)),
-     r"top_k must be -1 or None \(disabled\) or an integer >= 1, got True"),
+     r"top_k must be None, 0 or -1 \(disabled\) or an integer >= 1, got True"),
     ("seed=True", lambda llm: llm.add_request("hi", SamplingParams(seed=True)),
-     r"seed must be None or an integer in \[0, 2\*\*64\), got True"),
+     r"seed must be None, -1 or an integer in \[0, 2\*\*64\), got True"),
     # torch.Generator.manual_seed takes [-2**63, 2**64); a negative seed aliases another.
     ("seed=2**64", lambda llm: llm.add_request("hi", SamplingParams(seed=2**64)),
-     r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
-    ("seed=-1", lambda llm: llm.add_request("hi", SamplingParams(seed=-1)),
-     r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+     r"seed must be None, -1 or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
+    ("seed=-2", lambda llm: llm.add_request("hi", SamplingParams(seed=-2)),
+     r"seed must be None, -1 or an integer in \[0, 2\*\*64\), got -2"),
     ("stop_token_ids=[True]", lambda llm: llm.add_request("hi", SamplingParams(
         stop_token_ids=[True])), r"stop_token_ids must be a list of integers >= 0, got \[True\]"),
     ("stop_token_ids=None", lambda llm: llm.add_request("hi", SamplingParams(
@@ -242,6 +240,11 @@ def test_boundary_prompts_are_accepted(llm):
     assert len(out.token_ids) == 2
     # top_k=-1 ("disabled") is allowed even when set after construction.
     [out] = llm.generate(["hi"], _mutated(top_k=-1, temperature=0.5, max_tokens=2),
+                         use_tqdm=False)
+    assert len(out.token_ids) == 2
+    # vLLM's other spellings of "none": top_k 0, seed -1
+    assert (SamplingParams(top_k=0).top_k, SamplingParams(seed=-1).seed) == (None, None)
+    [out] = llm.generate(["hi"], _mutated(top_k=0, seed=-1, temperature=0.5, max_tokens=2),
                          use_tqdm=False)
     assert len(out.token_ids) == 2
 
