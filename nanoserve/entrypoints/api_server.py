@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.stop()
         llm.shutdown()  # tensor parallel: the other ranks
         sys.exit(f"nanoserve serve: {e}")
-    server = Server(engine, names, args.api_key, serving_options(args), interval,
+    options = serving_options(args, llm.sampling_defaults)
+    server = Server(engine, names, args.api_key, options, interval,
                     fastapi_docs=not args.disable_fastapi_docs)
     if args.allowed_origins:  # vLLM's CORS flags; none by default (docs/serving.md: why)
         server.app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,

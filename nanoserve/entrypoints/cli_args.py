@@ -36,6 +36,7 @@ class ServingOptions:
     exclude_tools_when_tool_choice_none: bool = False
     force_include_usage: bool = False  # every stream's usage, each chunk's too
     response_role: str = "assistant"  # chat's answer's role, after a generation prompt
+    max_tokens_cap: int | None = None  # vLLM's override_max_tokens (serving_options)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -209,11 +210,16 @@ def engine_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def serving_options(args: argparse.Namespace) -> ServingOptions:
-    """The flags that shape the answers (ServingOptions, above)."""
+def serving_options(args: argparse.Namespace, sampling_defaults: dict) -> ServingOptions:
+    """The flags that shape the answers (ServingOptions, above). vLLM caps every request's
+    max_tokens, asked for or not, by the max_new_tokens of a --generation-config folder (with
+    the overrides over it: `sampling_defaults`), or else of --override-generation-config."""
+    folder = args.generation_config not in ("auto", "vllm")
+    cap = sampling_defaults.get("max_tokens") if folder else \
+        (args.override_generation_config or {}).get("max_new_tokens")
     return ServingOptions(args.enable_prompt_tokens_details,
                           args.tool_call_parser if args.enable_auto_tool_choice else None,
                           args.return_tokens_as_token_ids, args.reasoning_parser,
                           args.default_chat_template_kwargs,
                           args.exclude_tools_when_tool_choice_none,
-                          args.enable_force_include_usage, args.response_role)
+                          args.enable_force_include_usage, args.response_role, cap)

@@ -8,7 +8,7 @@ import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 MAX_PROMPTS = 128  # prompts in one completions request (a batch; vLLM sets no limit), and
 # completions in one (prompts x n): one small body may not queue more requests than n alone could
@@ -59,7 +59,7 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     n: int = 1
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # --scheduling-policy priority: smaller is served first (vLLM's field)
     use_beam_search: bool = False  # n is the beam width (serving_beam_search.py)
@@ -74,9 +74,14 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int = 16  # null too (vLLM's normalize_null_max_tokens)
     logprobs: int | None = None  # the top N per token (0: the sampled token's only)
-    echo: bool = False
+    echo: bool | None = False
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def null_max_tokens(cls, value: Any) -> Any:
+        return 16 if value is None else value
     add_special_tokens: bool = True  # the tokenizer's (a BOS, for some), as vLLM's
 
 
@@ -84,7 +89,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None  # None: up to max_model_len
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # the chat template's options, as vLLM takes them
     continue_final_message: bool = False

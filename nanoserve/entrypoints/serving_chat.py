@@ -53,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         return req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
 
     def num_logprobs_of(self, req: ChatCompletionRequest) -> int | None:
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # (0 alone asks for nothing, as in vLLM)
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
         return (req.top_logprobs or 0) if req.logprobs else None
 

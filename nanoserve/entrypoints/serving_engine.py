@@ -37,6 +37,7 @@ from nanoserve.entrypoints.serving_beam_search import beam_search_params, start_
 from nanoserve.entrypoints.tokenizer_pool import TokenizerPool
 from nanoserve.entrypoints.validation import (
     Endpoint,
+    check_max_tokens,
     check_prompt_ids,
     check_prompt_length,
     check_request,
@@ -194,7 +195,7 @@ class OpenAIServing:
         # SamplingParams' own defaults
         defaults = dict(self.engine.llm.sampling_defaults)
         most = defaults.pop("max_tokens", None)  # with max_tokens unset: at most this many
-        try:  # max_tokens None (up to max_model_len) is set once the prompt's length is known
+        try:  # max_tokens is set once the prompt's length is known (below)
             params = request_params(req, defaults, 1 if max_tokens is None else max_tokens,
                                     self.num_logprobs_of(req))
         except ValueError as e:
@@ -205,6 +206,10 @@ class OpenAIServing:
             if field_name and name != field_name and message.startswith(field_name + " "):
                 message = name + message[len(field_name):]  # the field as the client sent it
             raise APIError(message, name) from None
+        check_max_tokens(max_tokens, self.max_model_len, self.wire_name("max_tokens", req))
+        # vLLM's get_max_tokens: the least of the prompt's room, what the request asks for (or
+        # the model's default) and --generation-config's cap on any (ServingOptions)
+        limits = (most if max_tokens is None else max_tokens, self.options.max_tokens_cap)
         prompts = [(p, self.endpoint.num_chars(p)) for p in self.endpoint.prompts_of(req)]
         keep = truncation(req.truncate_prompt_tokens, self.max_model_len)
         for _, num_chars in prompts * (keep is None):  # (a truncated text may be longer)
@@ -215,11 +220,10 @@ class OpenAIServing:
                 tokenizer, prompt, req), prompt, num_chars)
             if keep is not None:  # vLLM's truncation_side: "left" (None) drops the first tokens
                 ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
-            check_prompt_ids(self.endpoint, len(ids), max_tokens, self.max_model_len,
-                             self.wire_name("max_tokens", req))
+            check_prompt_ids(self.endpoint, len(ids), self.max_model_len)
             room = self.max_model_len - len(ids)
-            inputs.append((params if max_tokens is not None else dataclasses.replace(
-                params, max_tokens=room if most is None else min(most, room)), ids))
+            most_now = min(n for n in (room, *limits) if n is not None)
+            inputs.append((dataclasses.replace(params, max_tokens=most_now), ids))
         return inputs
 
     def wire_name(self, field_name: str | None, req: Any) -> str | None:

@@ -219,16 +219,20 @@ def check_prompt_length(endpoint: Endpoint, num_chars: int, longest: int,
                        f"{max_model_len} tokens", endpoint.prompt_field)
 
 
-def check_prompt_ids(endpoint: Endpoint, num_ids: int, max_tokens: int | None,
-                     max_model_len: int, max_tokens_name: str) -> None:
-    """A tokenized prompt too long for the context, alone or with `max_tokens`: a 400."""
+def check_max_tokens(max_tokens: int | None, max_model_len: int, name: str) -> None:
+    """More tokens asked for than the context holds: a 400, as vLLM's. Fewer, but more than a
+    prompt leaves room for, is no error in vLLM: the request gets the room (to_engine_inputs),
+    finishing "length"."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise APIError(f"{name} is {max_tokens}, more than this model's maximum context length "
+                       f"({max_model_len})", name)
+
+
+def check_prompt_ids(endpoint: Endpoint, num_ids: int, max_model_len: int) -> None:
+    """A tokenized prompt that leaves the context no room for a token: a 400."""
     if num_ids >= max_model_len:
         raise APIError(f"{endpoint.prompt_field} has {num_ids} tokens: this model's maximum "
                        f"context length is {max_model_len} tokens", endpoint.prompt_field)
-    if max_tokens is not None and num_ids + max_tokens > max_model_len:
-        raise APIError(f"{max_tokens_name} is {max_tokens}, with the {num_ids} prompt tokens "
-                       f"more than this model's maximum context length ({max_model_len})",
-                       max_tokens_name)
 
 
 def refusal(error: BaseException, endpoint: Endpoint) -> APIError:

@@ -72,7 +72,7 @@ def test_served_defaults_are_the_models(model_dir):
         assert chat(temperature=1.0, top_p=1.0, max_tokens=30).usage.completion_tokens == 30
         out = client.completions.create(model="m", prompt="Once", max_tokens=None, seed=3,
                                         extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 5
+        assert out.usage.completion_tokens == 16  # vLLM's: a completion's null is 16
         r = client.responses.create(model="m", input="Hi", extra_body={"ignore_eos": True})
         assert (r.usage.output_tokens, r.temperature, r.top_p) == (5, 0.5, 0.9)
     finally:
@@ -104,6 +104,10 @@ def test_served_overrides_and_token_ids_by_flag(model_dir):
         body = {"model": "m", "prompt": [5, 6, 7], "logprobs": 0, "max_tokens": None}
         out = s.client().completions.create(**body, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3  # the override's max_new_tokens
+        chat = s.client().chat.completions.create(  # caps an asked-for limit too (vLLM's)
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=10,
+            extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3
         assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
         off = s.client().completions.create(**body, extra_body={  # the request's own
             "ignore_eos": True, "return_tokens_as_token_ids": False})

@@ -321,7 +321,7 @@ BAD = [  # (change to GOOD, status, param)
     ({"temperature": -0.5}, 400, "temperature"),
     ({"temperature": "hot"}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),  # + 3 prompt tokens > max_model_len
+    ({"max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
     ({"model": "gpt-17"}, 404, "model"),
     ({"n": 0}, 400, "n"),
     ({"top_p": 0}, 400, "top_p"),
@@ -335,7 +335,7 @@ BAD = [  # (change to GOOD, status, param)
     ({"prompt": ["a"] * 3, "n": 43}, 400, "n"),  # 129 completions
     ({"prompt": None}, 400, "prompt"),
     ({"stop": [""]}, 400, "stop"),
-    ({"seed": -1}, 400, "seed"),
+    ({"seed": -2}, 400, "seed"),  # (-1 is none, as in vLLM)
     ({"priority": 1}, 400, "priority"),  # this server schedules fcfs
     ({"priority": "1"}, 400, "priority"),
     ({"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
@@ -354,6 +354,23 @@ def test_bad_request_names_the_field_and_server_keeps_serving(server, change, st
     assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
     ok = post(server, "/v1/completions", json.dumps(GOOD))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_max_tokens_beyond_the_prompts_room_is_the_room(server):
+    """vLLM's get_max_tokens: a prompt and max_tokens over max_model_len together is no error,
+    the request gets the room left and finishes "length"; max_tokens alone over it is a 400."""
+    prompt = [5] * (MAX_MODEL_LEN - 3)
+    for max_tokens in (MAX_MODEL_LEN, 4):
+        r = post(server, "/v1/completions", json.dumps(
+            {**GOOD, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}))
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]) == \
+            (3, "length")
+    hi = [{"role": "user", "content": "hi"}]
+    r = post(server, "/v1/chat/completions",
+             json.dumps({"messages": hi, "max_completion_tokens": MAX_MODEL_LEN + 1}))
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "max_completion_tokens")
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe", b"", b'"prompt"'])

@@ -106,6 +106,23 @@ def test_no_op_values_of_unsupported_fields_are_accepted(server):
         assert r.status_code == 200, (change, r.text)
 
 
+def test_vllms_nulls_and_spellings_of_none_are_accepted(server):
+    """vLLM 0.32's protocol: stream, echo and chat's logprobs may be null (false); a
+    completion's max_tokens null is its default 16; top_k 0 and seed -1 are none; chat's
+    top_logprobs 0 without logprobs asks for nothing."""
+    for change in ({"stream": None}, {"echo": None}, {"top_k": 0}, {"top_k": -1},
+                   {"seed": -1, "temperature": 1.0}):
+        r = post(server, "/v1/completions", json.dumps({**GOOD, **change}))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, change
+    r = post(server, "/v1/completions",
+             json.dumps({**GOOD, "max_tokens": None, "ignore_eos": True}))
+    assert r.json()["usage"]["completion_tokens"] == 16, r.text
+    for change in ({"logprobs": None}, {"stream": None}, {"top_logprobs": 0}):
+        r = post(server, "/v1/chat/completions", json.dumps({**CHAT, **change}))
+        assert r.status_code == 200, (change, r.text)
+        assert r.json()["choices"][0]["logprobs"] is None
+
+
 def test_assistant_tool_calls_without_content_are_accepted(server):
     messages = [{"role": "user", "content": "add 1 and 2"},
                 {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
