@@ -52,6 +52,23 @@ def prompt_tokens(prompt: Prompt, tokenizer: Any) -> tuple[list[int], str | None
     return token_ids, text
 
 
+def developer_as_system(conversation: list[dict], template: Any) -> list[dict]:
+    """vLLM's, for a template that never names the "developer" role (OpenAI's newer name for
+    the system's): developer messages become system ones, and where a system message is then
+    not first, or not alone, all of them become one, first, their texts joined by blank lines
+    (some templates, Qwen's, take a system message first only)."""
+    if not any(m["role"] == "developer" for m in conversation) or any(
+            f"{quote}developer{quote}" in str(template) for quote in "'\""):
+        return conversation
+    conversation = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"}
+                    if m["role"] == "developer" else m for m in conversation]
+    if [i for i, m in enumerate(conversation) if m["role"] == "system"] == [0]:
+        return conversation
+    texts = [m["content"] for m in conversation if m["role"] == "system" and m["content"]]
+    return [{"role": "system", "content": "\n\n".join(texts)},
+            *(m for m in conversation if m["role"] != "system")]
+
+
 def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
                  continue_final_message: bool, chat_template_kwargs: dict | None,
                  chat_template: str | None = None, tools: list | None = None) -> list[dict]:
@@ -84,7 +101,8 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
     prompts = []
     for conversation in messages:
         try:
-            conversation = template_messages([chat_message(m) for m in conversation])
+            conversation = developer_as_system(template_messages(
+                [chat_message(m) for m in conversation]), chat_template or tokenizer.chat_template)
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,

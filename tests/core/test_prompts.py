@@ -52,6 +52,25 @@ def test_chat_is_generate_on_the_templates_token_ids(llm, tokenizer):
     assert one.token_ids == two.token_ids
 
 
+def test_developer_messages_are_system_ones_where_the_template_has_no_such_role(llm, tokenizer):
+    """vLLM's: the bundled template knows no "developer" role, so such a message is a system
+    one; and where the system messages are then more than one, or not first, one, first."""
+    assert "developer" not in tokenizer.chat_template
+    cases = [([{"role": "developer", "content": "Be brief."}, *CONVERSATIONS[0]],
+              [{"role": "system", "content": "Be brief."}, *CONVERSATIONS[0]]),
+             ([{"role": "system", "content": "A."}, *CONVERSATIONS[0],
+               {"role": "developer", "content": "B."}, {"role": "user", "content": "Hi!"}],
+              [{"role": "system", "content": "A.\n\nB."}, *CONVERSATIONS[0],
+               {"role": "user", "content": "Hi!"}])]
+    for given, meant in cases:
+        [out] = llm.chat(given, GREEDY, use_tqdm=False)
+        assert out.prompt_token_ids == template_ids(tokenizer, meant)
+    # a template that names the role gets it as sent
+    own = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# 'developer' #}"
+    [out] = llm.chat(cases[1][0], GREEDY, chat_template=own, use_tqdm=False)
+    assert out.prompt == "system:A.;user:What is the capital of France?;developer:B.;user:Hi!;"
+
+
 def test_chat_continues_the_final_message(llm, tokenizer):
     conversation = [*CONVERSATIONS[0], {"role": "assistant", "content": "The capital is"}]
     [out] = llm.chat(conversation, GREEDY, add_generation_prompt=False,
