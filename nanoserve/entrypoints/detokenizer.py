@@ -5,7 +5,8 @@ Text is decoded incrementally (vLLM's prefix/read offsets): a token is decoded t
 tokens since the last complete character, and text is only emitted once it no longer ends in
 U+FFFD, so a multi-byte character split over tokens (an emoji, Vietnamese diacritics) comes out
 whole. A stop string is searched for only where the new text can complete it; the text is cut
-there (keeping the stop string if include_stop_str_in_output). While streaming, the last
+there (keeping the stop string if include_stop_str_in_output), as it leaves out the token that
+stopped a request (EOS or one of stop_token_ids: vLLM's). While streaming, the last
 max(len(stop)) - 1 characters are held back: they may be the start of a stop string."""
 
 from __future__ import annotations
@@ -50,16 +51,23 @@ class Detokenizer:
         self.token_ids += new_ids
         if self.tokenizer is None or self.stop_reason is not None:
             return None
-        if not new_ids and not (req.is_finished and self.read_offset < len(self.token_ids)):
+        end = len(self.token_ids) - self.stop_token_left_out(req)
+        if not new_ids and not (req.is_finished and self.read_offset < end):
             return None
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
+        full = self._decode(self.token_ids[self.prefix_offset:end])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not req.is_finished):
             return None  # nothing printable yet: wait for the rest of the character
         new_text = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         self.text += new_text
         return self._check_stop(len(new_text))
+
+    def stop_token_left_out(self, req: Request) -> int:
+        """1 where a token ended the request (not a stop string: it would be the stop_reason)
+        and its text stays out, as vLLM's detokenizer leaves it; else 0."""
+        return int(req.finish_reason == FinishReason.STOP and self.stop_reason is None
+                   and not self.include_stop)
 
     def _check_stop(self, num_new_chars: int) -> str | None:
         for stop in self.stop:  # in the order given, as vLLM
@@ -78,7 +86,8 @@ class Detokenizer:
         if req.is_finished:
             self.update(req)  # an aborted request may have tokens not yet seen
         if not self.incremental:  # decoded once, at the end
-            text = self._decode(req.output_token_ids) if self.tokenizer is not None else ""
+            ids = req.output_token_ids[:len(req.output_token_ids) - self.stop_token_left_out(req)]
+            text = self._decode(ids) if self.tokenizer is not None else ""
             self.text, self.token_ids = text, req.output_token_ids
         stop_reason = self.stop_reason
         if (stop_reason is None and req.finish_reason == FinishReason.STOP

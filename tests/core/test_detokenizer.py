@@ -155,12 +155,22 @@ def test_holdback_while_streaming(llm):
     assert sent + detok.output(req)[0] == " abcdefghij klmnop"
 
 
-def test_stop_token_id_is_the_stop_reason(llm):
+def test_stop_token_id_is_the_stop_reason_and_its_text_is_left_out(llm):
+    """vLLM's: the token that stopped a request stays in token_ids, its text stays out of the
+    text (unless include_stop_str_in_output), whole or streamed."""
     [ref] = llm.generate([PROMPTS[1]], greedy(12), use_tqdm=False)
     k = next(i for i in range(3, 12) if ref.token_ids[i] not in ref.token_ids[:i])
-    [out] = llm.generate([PROMPTS[1]], greedy(12, stop_token_ids=[ref.token_ids[k]]),
-                         use_tqdm=False)
-    assert out.finish_reason == "stop" and out.stop_reason == ref.token_ids[k]
+    before, through = llm.generate([PROMPTS[1]] * 2, [greedy(k), greedy(k + 1)], use_tqdm=False)
+    for include, text in ((False, before.text), (True, through.text)):
+        stop = greedy(12, stop_token_ids=[ref.token_ids[k]], include_stop_str_in_output=include)
+        [out] = llm.generate([PROMPTS[1]], stop, use_tqdm=False)
+        assert out.finish_reason == "stop" and out.stop_reason == ref.token_ids[k]
+        assert out.token_ids == ref.token_ids[:k + 1] and out.text == text
+        rid = llm.add_request(PROMPTS[1], greedy(12, stop_token_ids=[ref.token_ids[k]],
+                                                 include_stop_str_in_output=include,
+                                                 stop=["never in it"], output_kind=DELTA))
+        deltas = run_deltas(llm, [rid])[rid]
+        assert "".join(o.text for o in deltas) == text
 
 
 @pytest.mark.parametrize("kw, field", [({"n": 129}, "n"), ({"n": 0}, "n"),
