@@ -63,6 +63,12 @@ class OpenAIServingChat(OpenAIServing):
         return "top_logprobs" if field_name == "logprobs" else field_name
 
     def tool_parser_of(self, req: ChatCompletionRequest) -> type[HermesToolParser] | None:
+        # vLLM's (check_tool_usage) and OpenAI's: no empty tools, no tool_choice without tools
+        if req.tools == []:
+            raise APIError("tools must not be an empty list: give a tool or leave it out",
+                           "tools")
+        if req.tools is None and req.tool_choice not in (None, "none"):
+            raise APIError(f"tool_choice {req.tool_choice!r:.100} needs tools", "tool_choice")
         return tool_parser_for(check_tools(req.tools or []), req.tool_choice,
                                self.options.tool_call_parser)
 

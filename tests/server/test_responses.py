@@ -141,7 +141,7 @@ def test_logprobs_are_the_chats(server):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
+    ({"max_output_tokens": MAX_MODEL_LEN + 1}, "max_output_tokens"),
     ({"n": 2}, "n"),
     ({"text": {"format": {"type": "json_object"}}}, "text"),
     ({"instructions": 3}, "instructions"),

@@ -155,7 +155,9 @@ def test_tool_choice_none_renders_the_tools_but_reads_nothing(tool_server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
-    ({"tool_choice": 3}, "tool_choice")])
+    ({"tool_choice": 3}, "tool_choice"),
+    ({"tools": []}, "tools"), ({"tools": [], "tool_choice": "none"}, "tools"),  # vLLM's, OpenAI's
+    ({"tools": None, "tool_choice": "auto"}, "tool_choice")])
 def test_what_cannot_be_done_is_a_400_naming_it(tool_server, change, param):
     body = {"model": "m", "messages": EXAMPLE, "tools": TOOLS, "max_tokens": 2, **change}
     r = post(tool_server, "/v1/chat/completions", json.dumps(body))
