@@ -20,10 +20,12 @@ from nanoserve.entrypoints.protocol import (
 
 def chat_message(message: dict, field: str = "messages", parts: tuple = ("text",),
                  label: str = "messages") -> dict:
-    """{"role", "content"}; content parts ({"type": "text", "text"}; Responses: `parts`) are
-    joined by newlines, as vLLM joins them for a template that takes a string. An assistant
-    message that made tool calls may have no content (OpenAI): it is "" here, and the calls are
-    left for a chat template that renders them. A bad one is a 400 naming `field`."""
+    """A message as vLLM hands it to the chat template: its role, its content (text parts,
+    {"type": "text", "text"} or Responses' `parts`, joined by newlines, as for a template that
+    takes a string), an assistant's tool_calls (left for a template that renders them; its
+    content may then be null, OpenAI's form, "" here) and reasoning (also as reasoning_content,
+    Qwen3's name), a tool's tool_call_id and a name; vLLM drops any other key. A bad one is a
+    400 naming `field` (vLLM takes a null content as "": OpenAI's API and nanoserve do not)."""
     role, content = message.get("role"), message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""
@@ -33,7 +35,16 @@ def chat_message(message: dict, field: str = "messages", parts: tuple = ("text",
     if not isinstance(role, str) or not isinstance(content, str):
         raise APIError(f"{label} must each have a string role and a text content, got "
                        f"{message!r:.200}", field)
-    return {**message, "role": role, "content": content}
+    kept = {"role": role, "content": content}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        kept["tool_calls"] = message["tool_calls"]
+    if role == "assistant" and message.get("reasoning") is not None:
+        kept["reasoning"] = kept["reasoning_content"] = message["reasoning"]
+    if role == "tool" and "tool_call_id" in message:
+        kept["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        kept["name"] = message["name"]
+    return kept
 
 
 def completion_prompts(req: CompletionRequest) -> list:

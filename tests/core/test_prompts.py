@@ -71,6 +71,21 @@ def test_developer_messages_are_system_ones_where_the_template_has_no_such_role(
     assert out.prompt == "system:A.;user:What is the capital of France?;developer:B.;user:Hi!;"
 
 
+def test_messages_reach_the_template_as_vllm_hands_them(llm):
+    """vLLM's: an assistant's reasoning is also its reasoning_content (Qwen3's templates read
+    that); a tool's tool_call_id and a name are kept, any other key dropped. (transformers adds
+    `thinking` from the reasoning: not counted.)"""
+    own = ("{% for m in messages %}{{ m.content }}:{{ m | dictsort | map('first') | "
+           "reject('equalto', 'thinking') | join(',') }};{% endfor %}")
+    messages = [{"role": "user", "content": "", "extra": 1},
+                {"role": "assistant", "content": "x", "reasoning": "r", "refusal": None},
+                {"role": "tool", "content": "3", "tool_call_id": "c", "name": "f"}]
+    [out] = llm.chat(messages, GREEDY, chat_template=own, add_generation_prompt=False,
+                     use_tqdm=False)
+    assert out.prompt == (":content,role;x:content,reasoning,reasoning_content,"
+                          "role;3:content,name,role,tool_call_id;")
+
+
 def test_chat_continues_the_final_message(llm, tokenizer):
     conversation = [*CONVERSATIONS[0], {"role": "assistant", "content": "The capital is"}]
     [out] = llm.chat(conversation, GREEDY, add_generation_prompt=False,
