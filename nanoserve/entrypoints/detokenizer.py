@@ -70,14 +70,19 @@ class Detokenizer:
                    and not self.include_stop)
 
     def _check_stop(self, num_new_chars: int) -> str | None:
-        for stop in self.stop:  # in the order given, as vLLM
+        """vLLM's: of the stop strings the new text completes, the one that ends first (as if
+        its characters came one at a time; a tie: the one listed first)."""
+        found = []  # (where it ends, its place in the list, where it starts)
+        for order, stop in enumerate(self.stop):
             # Only where the new text can complete it: earlier text was checked before.
             start = max(0, len(self.text) - num_new_chars - len(stop) + 1)
             if (i := self.text.find(stop, start)) != -1:
-                self.text = self.text[:i + len(stop) if self.include_stop else i]
-                self.stop_reason = stop
-                return stop
-        return None
+                found.append((i + len(stop), order, i))
+        if not found:
+            return None
+        end, order, i = min(found)
+        self.text, self.stop_reason = self.text[:end if self.include_stop else i], self.stop[order]
+        return self.stop_reason
 
     def output(self, req: Request) -> tuple[str, list[int], int | str | None]:
         """(text, token_ids, stop_reason) of the output `step()` returns now: everything for

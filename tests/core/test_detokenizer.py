@@ -140,6 +140,18 @@ def test_stop_string_across_tokens(llm, include):
     assert all_free(llm)
 
 
+def test_the_stop_string_that_ends_first_stops_it(llm):
+    """vLLM's: where new text completes two stop strings, the one that ends first wins, not the
+    one listed first; of two that end together, the one listed first."""
+    ids = llm.tokenizer.encode(" the cat")
+    for stop, reason, text in ((["e", "th"], "th", " "), (["he", "e"], "he", " t"),
+                               (["cat", "the"], "the", " ")):
+        params = greedy(len(ids), stop=stop, output_kind=DELTA)
+        req, detok = Request("x", [1], params), Detokenizer(llm.tokenizer, params)
+        req.token_ids.extend(ids)  # all in one update: one step's new text
+        assert (detok.update(req), detok.text) == (reason, text), stop
+
+
 def test_holdback_while_streaming(llm):
     """Without include, the last max(len(stop)) - 1 characters wait until the request ends."""
     ids = llm.tokenizer.encode(" abcdefghij klmnop")
