@@ -77,12 +77,12 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int = 16  # null too (vLLM's normalize_null_max_tokens)
     logprobs: int | None = None  # the top N per token (0: the sampled token's only)
     echo: bool | None = False
+    add_special_tokens: bool = True  # the tokenizer's (a BOS, for some), as vLLM's
 
     @field_validator("max_tokens", mode="before")
     @classmethod
     def null_max_tokens(cls, value: Any) -> Any:
         return 16 if value is None else value
-    add_special_tokens: bool = True  # the tokenizer's (a BOS, for some), as vLLM's
 
 
 class ChatCompletionRequest(SamplingRequest):
