@@ -54,10 +54,9 @@ class StepInputs:
 
         meta = AttentionMetadata(
             slot_mapping=to_device(self.slot_mapping, device, torch.int64),
-            num_decode_tokens=self.num_decode_tokens,
+            num_decode_tokens=self.num_decode_tokens, num_prefill_tokens=self.cu_seqlens_q[-1],
             decode_context_lens=to_device(self.decode_context_lens, device),
             decode_block_tables=table(self.decode_block_tables),
-            num_prefill_tokens=self.cu_seqlens_q[-1],
             cu_seqlens_q=to_device(self.cu_seqlens_q, device),
             cu_seqlens_k=to_device(self.cu_seqlens_k, device), max_seqlen_q=self.max_seqlen_q,
             max_seqlen_k=self.max_seqlen_k, prefill_block_tables=table(self.prefill_block_tables))

@@ -197,8 +197,8 @@ class Scheduler:
             return FinishReason.STOP
         if params.stop and self.stop_string_in is not None and self.stop_string_in(req):
             return FinishReason.STOP
-        if (req.num_output_tokens >= params.max_tokens
-                or req.num_tokens >= self.max_model_len_in_cache):
+        if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+                or req.num_tokens >= self.max_model_len_in_cache):  # max_tokens None: the context
             return FinishReason.LENGTH
         return None
 

@@ -141,6 +141,8 @@ def beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearch
     for s in searches:
         best = s.best()
         for seq in best:
-            seq.text = llm.tokenizer.decode(seq.tokens) if llm.tokenizer else ""
+            # vLLM's BeamSearchParams.skip_special_tokens, True: no <|im_start|> in the text
+            seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True) \
+                if llm.tokenizer else ""
         results.append(BeamSearchOutput(best))
     return results

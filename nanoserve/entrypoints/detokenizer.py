@@ -24,7 +24,7 @@ class Detokenizer:
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.incremental = self.delta or bool(params.stop)
         self.stop, self.include_stop = params.stop, params.include_stop_str_in_output
-        self.stop_token_ids = params.stop_token_ids
+        self.stop_token_ids, self.skip_special = params.stop_token_ids, params.skip_special_tokens
         self.holdback = max(map(len, self.stop)) - 1 if self.stop and not self.include_stop else 0
         self.token_ids: list[int] = []  # the output tokens seen so far
         self.text = ""  # their text, cut at a stop string
@@ -33,7 +33,7 @@ class Detokenizer:
         self.num_sent_tokens = self.num_sent_chars = 0  # what DELTA outputs already returned
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def decode_logprobs(self, entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
         """Each logprob's token as text, alone (vLLM's `decoded_token`)."""

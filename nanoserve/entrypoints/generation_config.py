@@ -59,5 +59,6 @@ def request_params(req: Any, defaults: dict, max_tokens: int, logprobs: int | No
     return SamplingParams(**{**defaults, **given}, seed=req.seed, max_tokens=max_tokens,
                           stop=req.stop, stop_token_ids=req.stop_token_ids or [], n=req.n,
                           include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens,
                           ignore_eos=req.ignore_eos, logprobs=logprobs,
                           output_kind=RequestOutputKind.DELTA)

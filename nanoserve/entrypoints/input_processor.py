@@ -54,10 +54,10 @@ class InputProcessor:
 
     def make_batch(self, prompts: Prompt | Sequence[Prompt],
                    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                   priority: Sequence[int] | None, default: SamplingParams,
+                   priority: int | Sequence[int] | None, default: SamplingParams,
                    ) -> list[list[Request]]:
         """`LLM.generate`'s arguments -> each prompt's Requests, all checked first: one prompt
-        or a list; one params (None: `default`) for all or one a prompt; one priority a prompt."""
+        or a list; one params (None: `default`) for all or one a prompt; the same for priority."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and None not in map(as_token_id, prompts)):
             prompts = [prompts]
@@ -71,9 +71,10 @@ class InputProcessor:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries but there are "
                                  f"{len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else priority
+        if priority is None or is_int(priority):  # vLLM's: one int for every prompt
+            priority = [priority or 0] * len(prompts)
         if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
-            raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), "
+            raise ValueError(f"priority must be an int or a list of one a prompt ({len(prompts)}), "
                              f"got {priority!r:.100}")
         return [self.make_requests(*args) for args in zip(prompts, params, priority)]
 
@@ -85,9 +86,9 @@ class InputProcessor:
             raise ValueError("prompt must have at least 1 token, got 0")
         if bad := [t for t in token_ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len "
-                             f"({self.config.max_model_len})")
+        if len(token_ids) >= self.config.max_model_len:  # vLLM's: no room for one token
+            raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token, "
+                             f"more than max_model_len ({self.config.max_model_len})")
         if (needed := bm.blocks_needed(len(token_ids) + 1)) > bm.num_blocks:
             raise ValueError(f"prompt has {len(token_ids)} tokens: with one generated token it "
                              f"needs {needed} KV blocks, but the whole KV cache has "

@@ -166,11 +166,11 @@ class LLM(LLMEngine):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for all prompts; outputs come back in input order. Outputs of requests
         added earlier with add_request() that finish meanwhile are kept for the next step().
-        `priority`: one a prompt (vLLM's; scheduling_policy "priority": smaller first, §6.1)."""
+        `priority`: one for all or one a prompt (vLLM's; policy "priority": smaller first, §6.1)."""
         requests = self.processor.make_batch(prompts, sampling_params, priority,
                                              self.get_default_sampling_params())
         mine = []

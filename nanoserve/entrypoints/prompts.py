@@ -90,9 +90,13 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError(f"chat_template must be a str (a Jinja template) or None, got "
                          f"{type(chat_template).__name__}")
+    # vLLM's merge_kwargs: the arguments win over the same keys in chat_template_kwargs (the
+    # text is tokenized below, never by the template)
+    chat_template_kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in (
+        "add_generation_prompt", "continue_final_message", "tokenize")}
     if tools:  # OpenAI's, the chat template's `tools` argument
         try:
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": check_tools(tools)}
+            chat_template_kwargs = {**chat_template_kwargs, "tools": check_tools(tools)}
         except APIError as e:
             raise ValueError(str(e)) from None
     if add_generation_prompt and continue_final_message:
@@ -106,7 +110,7 @@ def chat_prompts(messages: Any, tokenizer: Any, add_generation_prompt: bool,
             text = tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                **(chat_template_kwargs or {}))
+                **chat_template_kwargs)
         except APIError as e:
             raise ValueError(str(e)) from None
         except Exception as e:  # a template error: the messages do not fit it

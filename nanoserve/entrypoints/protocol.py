@@ -57,6 +57,7 @@ class SamplingRequest(BaseModel):  # vLLM's fields and defaults; others are igno
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: <|im_end|> and the like stay in the text
     ignore_eos: bool = False
     n: int = 1
     stream: bool | None = False

@@ -53,7 +53,7 @@ NO_OP = {"logit_bias": (None, {}), "min_tokens": (None, 0), "min_p": (None, 0, 0
          "repetition_penalty": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0),
          "frequency_penalty": (None, 0, 0.0),
          "best_of": (None, 1),
-         "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+         "spaces_between_special_tokens": (None, True),
          "prompt_logprobs": (None,),
          "allowed_token_ids": (None,), "bad_words": (None, []),
          "response_format": (None, {"type": "text"}), "guided_json": (None,),

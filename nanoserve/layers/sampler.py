@@ -53,8 +53,7 @@ class SamplingMetadata:
             return cls(None, None, None, None, {}, num_logprobs)
         sampled = [params[i] for i in rows]
 
-        # min(): a huge temperature (even inf) stays finite, so -inf / t = -inf, not NaN.
-        temperature = to_device([min(p.temperature, 3e38) for p in sampled], device, torch.float32)
+        temperature = to_device([p.temperature for p in sampled], device, torch.float32)
         top_k = None if all(p.top_k is None for p in sampled) else to_device(
             [min(p.top_k or vocab_size, vocab_size) for p in sampled], device, torch.int64)
         top_p = None if all(p.top_p == 1.0 for p in sampled) else to_device(

@@ -540,7 +540,8 @@ MUTANTS = [
            "a stream cut mid-character never sends its last (incomplete) character",
            "§4: DELTA texts join to the final text"),
     Mutant("detok_special_tokens_leak", DETOK,
-           "skip_special_tokens=True", "skip_special_tokens=False",
+           "self.skip_special = params.stop_token_ids, params.skip_special_tokens",
+           "self.skip_special = params.stop_token_ids, False",
            "special tokens (<|im_end|>, ...) come out as text",
            "vLLM: skip_special_tokens by default"),
     Mutant("detok_eos_as_stop_reason", DETOK,
@@ -557,11 +558,15 @@ MUTANTS = [
            "        if params.stop and self.stop_string_in is not None and "
            "self.stop_string_in(req):\n"
            "            return FinishReason.STOP\n"
-           "        if (req.num_output_tokens >= params.max_tokens\n"
-           "                or req.num_tokens >= self.max_model_len_in_cache):\n"
+           "        if (params.max_tokens is not None and "
+           "req.num_output_tokens >= params.max_tokens\n"
+           "                or req.num_tokens >= self.max_model_len_in_cache):  # max_tokens None: "
+           "the context\n"
            "            return FinishReason.LENGTH\n",
-           "        if (req.num_output_tokens >= params.max_tokens\n"
-           "                or req.num_tokens >= self.max_model_len_in_cache):\n"
+           "        if (params.max_tokens is not None and "
+           "req.num_output_tokens >= params.max_tokens\n"
+           "                or req.num_tokens >= self.max_model_len_in_cache):  # max_tokens None: "
+           "the context\n"
            "            return FinishReason.LENGTH\n"
            "        if params.stop and self.stop_string_in is not None and "
            "self.stop_string_in(req):\n"

@@ -123,7 +123,9 @@ def test_eos_finishes_a_sequence_and_its_score_is_hfs_logprob(bundled):
     assert scores == sorted(scores, reverse=True)
     prompt = prompts[2]
     for s in seqs:
-        assert s.tokens[:len(prompt)] == prompt and s.text == llm.get_tokenizer().decode(s.tokens)
+        assert s.tokens[:len(prompt)] == prompt  # the text as vLLM's: no special tokens
+        assert s.text == llm.get_tokenizer().decode(s.tokens, skip_special_tokens=True)
+        assert "<|im_start|>" not in s.text and s.text.startswith("system\n")
         assert (s.tokens[-1] in llm.processor.eos_token_ids) == (s.finish_reason == "stop")
         with torch.no_grad():
             logits = hf(torch.tensor([s.tokens])).logits[0, len(prompt) - 1:-1]

@@ -152,6 +152,23 @@ def test_the_stop_string_that_ends_first_stops_it(llm):
         assert (detok.update(req), detok.text) == (reason, text), stop
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
+    """vLLM's skip_special_tokens: True (the default) leaves <|im_end|> and the like out of the
+    text; False keeps them, in the whole text and streamed."""
+    end = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = llm.tokenizer.encode("Hi") + [end] + llm.tokenizer.encode(" there")
+    for skip, want in ((True, "Hi there"), (False, "Hi<|im_end|> there")):
+        params = greedy(len(ids), skip_special_tokens=skip, output_kind=DELTA)
+        req, detok = Request("x", [1], params), Detokenizer(llm.tokenizer, params)
+        sent = ""
+        for t in ids:
+            req.token_ids.append(t)
+            detok.update(req)
+            sent += detok.output(req)[0]
+        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+        assert (detok.text, sent + detok.output(req)[0]) == (want, want)
+
+
 def test_holdback_while_streaming(llm):
     """Without include, the last max(len(stop)) - 1 characters wait until the request ends."""
     ids = llm.tokenizer.encode(" abcdefghij klmnop")
@@ -187,7 +204,7 @@ def test_stop_token_id_is_the_stop_reason_and_its_text_is_left_out(llm):
 
 @pytest.mark.parametrize("kw, field", [({"n": 129}, "n"), ({"n": 0}, "n"),
                                        ({"logprobs": 21}, "logprobs"),
-                                       ({"logprobs": True}, "logprobs"), ({"stop": [""]}, "stop"),
+                                       ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"),
                                        ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
                                        ({"include_stop_str_in_output": 1},
                                         "include_stop_str_in_output"),

@@ -140,9 +140,13 @@ def test_generate_takes_a_priority_a_prompt():
     outs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 0, 1])
     ttft = [o.metrics.ttft for o in outs]
     assert ttft[1] < ttft[2] < ttft[0]
-    for bad in ([0, 1], 1):
-        with pytest.raises(ValueError, match=r"priority must be a list of one int a prompt \(3\)"):
+    for bad in ([0, 1], "1"):
+        with pytest.raises(ValueError, match=r"priority must be an int or a list of one a prompt "
+                                             r"\(3\)"):
             llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=bad)
+    # vLLM's: one int is every prompt's
+    batch = llm.processor.make_batch(["a", "b"], params, 5, params)
+    assert [r.priority for requests in batch for r in requests] == [5, 5]
     assert not llm.has_unfinished_requests()
 
 

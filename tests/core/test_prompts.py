@@ -128,3 +128,11 @@ def test_chat_template_renders_in_place_of_the_models(llm, tokenizer):
     [out] = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template=template)
     assert out.prompt == "[user] What is the capital of France?\n"
     assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
+
+
+def test_chats_own_arguments_win_over_chat_template_kwargs(llm, tokenizer):
+    """vLLM's merge: add_generation_prompt, continue_final_message and tokenize in
+    chat_template_kwargs give way to the arguments (they used to be passed twice: an error)."""
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True, "tokenize": True}
+    [out] = llm.chat(CONVERSATIONS[0], GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)
+    assert out.prompt_token_ids == template_ids(tokenizer, CONVERSATIONS[0])

@@ -169,7 +169,7 @@ def test_mixed_batch_maps_each_row_to_its_own_tokens():
     logits (top_k=1 makes the sampled answer known: its argmax)."""
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1),
-              SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=3.0),
+              SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=2.0),
               SamplingParams(top_p=1e-6)]
     assert Sampler()(logits, params, [None] * 5)[0] == logits.argmax(dim=-1).tolist()
 

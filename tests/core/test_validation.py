@@ -57,6 +57,10 @@ REQUEST_CASES = [
      rf"token ids must be in \[0, {VOCAB_SIZE}\)"),
     (f"prompt of {MAX_MODEL_LEN + 1} tokens > max_model_len {MAX_MODEL_LEN}",
      lambda llm: llm.add_request([5] * (MAX_MODEL_LEN + 1)), rf"max_model_len \({MAX_MODEL_LEN}"),
+    # vLLM's: a prompt that fills the context leaves no room for a token
+    (f"prompt of {MAX_MODEL_LEN} tokens = max_model_len",
+     lambda llm: llm.add_request([5] * MAX_MODEL_LEN),
+     rf"prompt has {MAX_MODEL_LEN} tokens: with one generated token, more than max_model_len"),
     # 32 tokens + 1 generated need 9 blocks of 4; the whole cache has 8.
     (f"prompt of 32 tokens, whole KV cache {NUM_KV_BLOCKS} x {BLOCK_SIZE} tokens",
      lambda llm: llm.add_request([5] * 32), r"num_kv_blocks"),
@@ -84,16 +88,21 @@ REQUEST_CASES = [
      r"prompts must be a str, a list of token ids, a prompt dict or a list of those, "
      r"got NoneType"),
     ("max_tokens=0", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=0)),
-     r"max_tokens must be an integer >= 1"),
+     r"max_tokens must be None or an integer >= 1"),
     ("max_tokens=True", lambda llm: llm.add_request("hi", SamplingParams(max_tokens=True)),
-     r"max_tokens must be an integer >= 1, got True"),
+     r"max_tokens must be None or an integer >= 1, got True"),
     ("priority=True", lambda llm: llm.add_request("hi", GREEDY, priority=True),
      r"priority must be an int, got True"),
     ("temperature=-0.5", lambda llm: llm.add_request("hi", SamplingParams(temperature=-0.5)),
-     r"temperature must be a number >= 0"),
+     r"temperature must be a number in \[0, 2\]"),
     # NaN slips past `t < 0`; it used to crash the sampler mid-step instead.
     ("temperature=nan", lambda llm: llm.add_request("hi", SamplingParams(temperature=NAN)),
-     r"temperature must be a number >= 0"),
+     r"temperature must be a number in \[0, 2\]"),
+    # vLLM's and OpenAI's range (inf used to sample uniformly)
+    ("temperature=2.5", lambda llm: llm.add_request("hi", SamplingParams(temperature=2.5)),
+     r"temperature must be a number in \[0, 2\], got 2.5"),
+    ("temperature=inf", lambda llm: llm.add_request("hi", SamplingParams(temperature=1e999)),
+     r"temperature must be a number in \[0, 2\], got inf"),
     ("top_p=0", lambda llm: llm.add_request("hi", SamplingParams(top_p=0)),
      r"top_p must be in \(0, 1\]"),
     ("top_p=1.5", lambda llm: llm.add_request("hi", SamplingParams(top_p=1.5)),
@@ -111,14 +120,16 @@ REQUEST_CASES = [
      r"seed must be None, -1 or an integer in \[0, 2\*\*64\), got -2"),
     ("stop_token_ids=[True]", lambda llm: llm.add_request("hi", SamplingParams(
         stop_token_ids=[True])), r"stop_token_ids must be a list of integers >= 0, got \[True\]"),
-    ("stop_token_ids=None", lambda llm: llm.add_request("hi", SamplingParams(
-        stop_token_ids=None)), r"stop_token_ids must be a list of integers >= 0, got None"),
+    ("stop_token_ids=7", lambda llm: llm.add_request("hi", SamplingParams(stop_token_ids=7)),
+     r"stop_token_ids must be a list of integers >= 0, got 7"),
+    ("skip_special_tokens=1", lambda llm: llm.add_request("hi", SamplingParams(
+        skip_special_tokens=1)), r"skip_special_tokens must be a bool, got 1"),
     ("stop=''", lambda llm: llm.add_request("hi", SamplingParams(stop="")),
      r"stop must be a non-empty string or a list of them, got \[''\]"),
     ("top_p set to 1.5 after construction", lambda llm: llm.add_request("hi", _mutated(top_p=1.5)),
      r"top_p must be in \(0, 1\]"),
     ("max_tokens set to 0 after construction",
-     lambda llm: llm.add_request("hi", _mutated(max_tokens=0)), r"max_tokens must be an integer"),
+     lambda llm: llm.add_request("hi", _mutated(max_tokens=0)), r"max_tokens must be None or an"),
     ("sampling_params is a dict", lambda llm: llm.add_request("hi", {"temperature": 0}),
      r"sampling_params must be a SamplingParams, got dict"),
     ("2 prompts, 1 SamplingParams in a list",
@@ -242,8 +253,16 @@ def test_boundary_prompts_are_accepted(llm):
     [out] = llm.generate(["hi"], _mutated(top_k=-1, temperature=0.5, max_tokens=2),
                          use_tqdm=False)
     assert len(out.token_ids) == 2
-    # vLLM's other spellings of "none": top_k 0, seed -1
+    # vLLM's other spellings of "none": top_k 0, seed -1, stop_token_ids None; logprobs True: 1
     assert (SamplingParams(top_k=0).top_k, SamplingParams(seed=-1).seed) == (None, None)
+    assert (SamplingParams(stop_token_ids=None).stop_token_ids, SamplingParams(
+        logprobs=True).logprobs) == ([], 1)
+    # max_tokens None: up to max_model_len (a roomy cache, so the context is what stops it)
+    roomy = LLM(tiny_model_dir(), num_kv_blocks=32, block_size=BLOCK_SIZE,
+                max_model_len=MAX_MODEL_LEN)
+    [out] = roomy.generate([[5] * 60], SamplingParams(temperature=0, max_tokens=None,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == MAX_MODEL_LEN - 60
     [out] = llm.generate(["hi"], _mutated(top_k=0, seed=-1, temperature=0.5, max_tokens=2),
                          use_tqdm=False)
     assert len(out.token_ids) == 2

@@ -184,6 +184,18 @@ def test_add_special_tokens_is_the_tokenizers_option():
     assert chat(add_special_tokens=True) == [bos, *chat()]
 
 
+def test_skip_special_tokens_reaches_the_engine():
+    """vLLM's field (true by default): a request's False reaches its SamplingParams, whose
+    detokenizer then keeps <|im_end|> and the like (tests/core/test_detokenizer.py)."""
+    from nanoserve.entrypoints.generation_config import request_params
+    from nanoserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    for req in (CompletionRequest(prompt="hi", skip_special_tokens=False),
+                ChatCompletionRequest(messages=MESSAGES, skip_special_tokens=False)):
+        assert request_params(req, {}, 4, None).skip_special_tokens is False
+    assert request_params(CompletionRequest(prompt="hi"), {}, 4, None).skip_special_tokens
+
+
 def test_responses_pass_chat_template_kwargs_to_the_template():
     req = ResponsesRequest(input="hi", chat_template_kwargs={"enable_thinking": False})
     assert responses_prompt(req)[0]["chat_template_kwargs"] == {"enable_thinking": False}
