@@ -43,6 +43,9 @@ class CompletionOutput:
     error: str | None = None  # why, when finish_reason is "error"
     logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the top N
 
+    def finished(self) -> bool:  # vLLM's
+        return self.finish_reason is not None
+
     @property
     def cumulative_logprob(self) -> float | None:
         """vLLM's: the sum of this output's sampled tokens' logprobs (None without logprobs)."""
@@ -61,6 +64,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True  # False: a DELTA output of a running request
+    prompt_logprobs = None  # vLLM's field: the prompt's logprobs are not computed here
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)

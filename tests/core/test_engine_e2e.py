@@ -122,6 +122,8 @@ def test_prefix_caching_hits(reference):
     assert llm.scheduler.block_manager.prefix_cache_hits > 0
     assert all(o.metrics.num_cached_tokens == o.num_cached_tokens > 0 for o in rest)
     assert first[0].num_cached_tokens == 0
+    # vLLM's other names a script may read
+    assert first[0].prompt_logprobs is None and first[0].outputs[0].finished()
 
 
 def test_priority_policy(reference):
