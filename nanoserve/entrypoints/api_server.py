@@ -77,7 +77,7 @@ class Server:
                  log_stats_interval: float | None = 10.0, fastapi_docs: bool = True) -> None:
         self.engine, self.llm = engine, engine.llm  # the front end reads its config, tokenizer
         self.model_names = model_names  # --served-model-name: answers carry the first
-        self.api_keys = [f"Bearer {key}".encode() for key in api_keys or []]
+        self.api_keys = [key.encode() for key in api_keys or []]
         self.draining = False  # shutting down: new requests get a 503
         self.log_stats_interval = log_stats_interval  # vLLM's stat line (None: none)
         self.max_model_len = self.llm.config.max_model_len
@@ -122,8 +122,10 @@ class Server:
         compared, whichever matches)."""
         if not self.api_keys:
             return
-        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        if not sum(hmac.compare_digest(given, key) for key in self.api_keys):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given = given.encode("utf-8", "surrogateescape")
+        matches = sum(hmac.compare_digest(given, key) for key in self.api_keys)
+        if scheme.lower() != "bearer" or not matches:  # the scheme in any case (RFC 7235)
             raise APIError("missing or wrong API key", None, 401)
 
     async def health(self) -> Response:
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = EngineThread(build, num_threads)
     engine.ready.wait()
-    if isinstance(engine.error, ValueError):
+    if isinstance(engine.error, (ValueError, FileNotFoundError)):  # a model folder without one
         sys.exit(f"nanoserve serve: {engine.error}")
     if engine.error is not None:
         raise engine.error

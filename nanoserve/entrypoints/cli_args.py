@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from nanoserve.entrypoints.reasoning_parser import PARSERS as REASONING_PARSERS
 from nanoserve.entrypoints.tool_parser import PARSERS
 
 DESCRIPTION = "An OpenAI-compatible HTTP server on the chapter's loop (nanoserve/entrypoints/)."
+SWITCH = {"action": argparse.BooleanOptionalAction, "default": False}  # vLLM's: --no-X too
 
 
 @dataclasses.dataclass
@@ -37,6 +39,45 @@ class ServingOptions:
     force_include_usage: bool = False  # every stream's usage, each chunk's too
     response_role: str = "assistant"  # chat's answer's role, after a generation prompt
     max_tokens_cap: int | None = None  # vLLM's override_max_tokens (serving_options)
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's: 4k is 4000, 25.6k 25600, 4K 4096 (k, m, g, t: powers of 1000; K, M, G, T: 1024)."""
+    if not (match := re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())):
+        return int(value)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)  # (vLLM's: no 1.5K either)
+
+
+def model_len(value: str) -> int | None:
+    """--max-model-len: vLLM's -1 or auto is the model's own (None: nanoserve's default)."""
+    return None if value.strip().lower() in ("-1", "auto") else human_readable_int(value)
+
+
+def vllm_flag_names(argv: list[str]) -> list[str]:
+    """vLLM's parser takes --max_model_len for --max-model-len: the same here; and --config
+    FILE, a YAML file of flags (a key each: `max-model-len: 4096`), under the command line's."""
+    argv = [re.sub(r"^--[^=]*", lambda m: m.group().replace("_", "-"), a) for a in argv]
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return argv
+    import yaml
+
+    at = argv.index("--config")
+    with open(argv[at + 1]) as f:
+        settings = yaml.safe_load(f) or {}
+    if not isinstance(settings, dict):
+        sys.exit(f"nanoserve serve: --config {argv[at + 1]} must hold a YAML mapping of flags")
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            values = value if isinstance(value, list) else [value]
+            flags += [flag, *(v if isinstance(v, str) else json.dumps(v) for v in values)]
+    return flags + argv[:at] + argv[at + 2:]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,20 +102,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client certificates: 0 none, 1 optional, 2 required (Python's ssl)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument("--disable-log-stats", action="store_true",
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-log-stats", **SWITCH,
                    help="no stat line on stderr every 10 s (NANOSERVE_LOG_STATS_INTERVAL)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's")
     p.add_argument("--default-chat-template-kwargs", type=json.loads, default=None,
                    help='JSON options under each request\'s, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+    p.add_argument("--exclude-tools-when-tool-choice-none", **SWITCH,
                    help='tool_choice "none": the template is not shown the tools')
-    p.add_argument("--enable-force-include-usage", action="store_true",
+    p.add_argument("--enable-force-include-usage", **SWITCH,
                    help="every stream says its usage, each chunk its own so far")
-    p.add_argument("--disable-fastapi-docs", action="store_true",
+    p.add_argument("--disable-fastapi-docs", **SWITCH,
                    help="no /docs, /redoc, /openapi.json")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--disable-uvicorn-access-log", **SWITCH)
     p.add_argument("--response-role", default="assistant",
                    help="chat's answer's role where the request adds a generation prompt")
     p.add_argument("--generation-config", default="auto",
@@ -82,13 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "generation_config.json), 'vllm' (none) or a folder (vLLM's)")
     p.add_argument("--override-generation-config", type=json.loads, default=None,
                    help='JSON settings over it, e.g. \'{"temperature": 0.5}\' (vLLM\'s)')
-    p.add_argument("--enable-request-id-headers", action="store_true",
+    p.add_argument("--enable-request-id-headers", **SWITCH,
                    help="every answer says X-Request-Id (the request's, or a new one)")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+    p.add_argument("--return-tokens-as-token-ids", **SWITCH,
                    help='logprobs\' tokens as "token_id:N" where a request leaves it unset')
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+    p.add_argument("--enable-prompt-tokens-details", **SWITCH,
                    help="usage.prompt_tokens_details.cached_tokens: the prefix cache's hit")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", **SWITCH,
                    help="read the model's tool calls into tool_calls (tool_choice auto)")
     p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
                    help="the format the model writes calls in (with --enable-auto-tool-choice)")
@@ -97,13 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Responses reasoning item)")
     p.add_argument("--allowed-origins", type=json.loads, default=None,
                    help='CORS, a JSON list (vLLM\'s; e.g. \'["*"]\'); default: no CORS headers')
-    p.add_argument("--allow-credentials", action="store_true")
+    p.add_argument("--allow-credentials", **SWITCH)
     for flag in ("allowed-methods", "allowed-headers"):  # with --allowed-origins
         p.add_argument(f"--{flag}", type=json.loads, default=["*"])
     for flag in ("disable-log-requests", "trust-remote-code"):
         # vLLM's, accepted as written in its command lines: nanoserve logs no requests, and
         # runs no model code but its own (an architecture it lacks is an error)
-        p.add_argument(f"--{flag}", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
     limits = HttpLimits()  # the HTTP layer's bounds (http_limits.py); h11 names: vLLM's
     p.add_argument("--max-header-bytes", "--h11-max-incomplete-event-size", type=int,
                    default=limits.max_header_bytes, help="request line and headers (431)")
@@ -124,19 +166,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "threads (default 0: the engine computes on every core; ignored if "
                         "OMP_NUM_THREADS is set)")
     for flag, kind in (("dtype", str), ("device", str), ("max-num-seqs", int),
-                       ("max-num-batched-tokens", int), ("max-model-len", int),
+                       ("max-num-batched-tokens", human_readable_int),
+                       ("max-model-len", model_len), ("kv-cache-memory-bytes", human_readable_int),
                        ("block-size", int), ("num-kv-blocks", int),
                        ("kv-cache-memory-gib", float), ("gpu-memory-utilization", float),
                        ("long-prefill-token-threshold", int),
-                       ("scheduling-policy", str), ("batching", str), ("tensor-parallel-size", int),
-                       ("attention-backend", str), ("seed", int),
-                       ("trace-file", str)):
+                       ("scheduling-policy", str), ("batching", str), ("attention-backend", str),
+                       ("seed", int), ("trace-file", str)):
         p.add_argument(f"--{flag}", type=kind, default=None)
-    for flag in ("enable-prefix-caching", "enable-chunked-prefill"):
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    for flag in ("enable-prefix-caching", "enable-chunked-prefill", "enforce-eager"):
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None)
-    for flag in ("enforce-eager", "no-fast-paths"):
-        p.add_argument(f"--{flag}", action="store_true", default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--no-fast-paths", action="store_true", default=None)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of these flags (vLLM's), under the command line's")
+    args = p.parse_args(vllm_flag_names(sys.argv[1:] if argv is None else argv))
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):  # vLLM's, if no --api-key
+        args.api_key = [os.environ["VLLM_API_KEY"]]
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
             p.error(f"two models: {args.model} and --model {args.model_flag}")
@@ -202,7 +248,8 @@ def engine_config(args: argparse.Namespace) -> dict:
     """The LLM's settings from the flags: each engine flag is EngineConfig's field of the same
     name, one way through the config (the trace file is main's trace_to, whose steps are marked
     served)."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"trace_file"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"trace_file"} | {
+        "kv_cache_memory_bytes"}  # vLLM's spellings: LLM takes them (llm.vllm_spellings)
     config = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     config["usage_context"] = "server"  # vLLM's server defaults (config.batch_defaults)
     if args.no_fast_paths:

@@ -39,6 +39,30 @@ from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 # script's exit on a small CPU, for nothing that has to run.
 atexit.register(gc.freeze)
 
+# vLLM's other spellings of nanoserve's settings (EngineArgs): its dtype names, a torch dtype
+VLLM_DTYPES = {"half": "float16", "float": "float32", torch.float16: "float16",
+               torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def vllm_spellings(config: dict) -> dict:
+    """`config` with vLLM's spellings in nanoserve's: dtype "half" / "float" / a torch dtype,
+    kv_cache_memory_bytes (the pool in bytes, "4G" on the command line), and
+    long_prefill_token_threshold 0 (vLLM's "off")."""
+    config = dict(config)
+    if isinstance(dtype := config.get("dtype"), (str, torch.dtype)):
+        config["dtype"] = VLLM_DTYPES.get(dtype, dtype)
+    if "kv_cache_memory_bytes" in config:
+        if "kv_cache_memory_gib" in config:
+            raise ValueError("kv_cache_memory_bytes must be None with kv_cache_memory_gib")
+        size = config.pop("kv_cache_memory_bytes")
+        if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+            raise ValueError(f"kv_cache_memory_bytes must be an integer > 0, got {size!r}")
+        config["kv_cache_memory_gib"] = size / 2**30
+    if type(config.get("long_prefill_token_threshold")) is int and \
+            config["long_prefill_token_threshold"] == 0:
+        config["long_prefill_token_threshold"] = None
+    return config
+
 
 class LLM(LLMEngine):
     """`LLM(model=None, tokenizer=None, generation_config="auto", override_generation_config=None,
@@ -49,7 +73,7 @@ class LLM(LLMEngine):
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
                  **config: object) -> None:
-        known = [f.name for f in dataclasses.fields(EngineConfig)]
+        known, config = [f.name for f in dataclasses.fields(EngineConfig)], vllm_spellings(config)
         if unknown := [name for name in config if name not in known]:  # (vLLM's others)
             raise ValueError(f"{unknown[0]} is not a nanoserve setting; the settings are "
                              f"{', '.join(known)}, tokenizer, generation_config, "
@@ -58,7 +82,11 @@ class LLM(LLMEngine):
                                           and os.path.isdir(tokenizer)):
             raise ValueError(f"tokenizer must be None or a directory holding a tokenizer, got "
                              f"{tokenizer!r}")
-        model = model if model is not None else default_model_dir()
+        if model is not None and not (isinstance(model, (str, os.PathLike))
+                                      and os.path.isdir(model)):  # as vLLM reads a hub's id
+            raise ValueError(f"model must be None (the bundled model) or a local model "
+                             f"directory (nothing is downloaded from a hub), got {model!r}")
+        model = os.fspath(model) if model is not None else default_model_dir()
         self.sampling_defaults = sampling_defaults(  # before the load
             generation_config, model, override_generation_config)
         super().__init__(model, EngineConfig(**config))

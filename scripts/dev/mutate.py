@@ -473,8 +473,8 @@ MUTANTS = [
            "the reader's plain path is one flag away"),
     # -- the server (nanoserve/entrypoints/): fields on their way to the engine and back ---
     Mutant("server_api_key_substring", API,
-           "if not sum(hmac.compare_digest(given, key) for key in self.api_keys):",
-           "if not any(key in given for key in self.api_keys):",
+           "matches = sum(hmac.compare_digest(given, key) for key in self.api_keys)",
+           "matches = any(key in given for key in self.api_keys)",
            "any Authorization header that merely contains the key is accepted",
            "--api-key: exactly 'Bearer KEY'"),
     Mutant("server_missing_model_is_404", PROTOCOL,

@@ -62,10 +62,46 @@ def rendered(server, body: dict, key: str = "key-a") -> str:
 def test_any_of_the_api_keys_opens_it(flagged):
     for key in ("key-a", "key-b"):
         assert flagged.client(api_key=key).models.list().data[0].id == "m"
-    for auth in ("Bearer key-c", "Bearer key-a key-b", "Bearer key-", ""):
+    for auth in ("Bearer key-c", "Bearer key-a key-b", "Bearer key-", "", "Basic key-a"):
         r = post(flagged, "/v1/completions", '{"prompt": "a", "max_tokens": 1}',
                  {"authorization": auth})
         assert r.status_code == 401, auth
+    # the scheme in any case, as vLLM (and RFC 7235) take it
+    r = post(flagged, "/v1/completions", '{"prompt": "a", "max_tokens": 1}',
+             {"authorization": "bearer key-b"})
+    assert r.status_code == 200, r.text
+
+
+def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
+    """What vLLM's parser takes: 4k / 4K / auto, -tp, underscores, --no- forms, a YAML --config
+    under the command line, VLLM_API_KEY where --api-key is not given; and what LLM takes of
+    them (dtype half, the pool in bytes, threshold 0: off). A hub id is refused, named."""
+    from nanoserve import LLM
+    from nanoserve.entrypoints.cli_args import engine_config
+    from nanoserve.entrypoints.llm import vllm_spellings
+
+    args = parse_args(["--max_model_len", "4k", "--max-num-batched-tokens", "2K", "-tp", "2",
+                       "--no-enforce-eager", "--kv-cache-memory-bytes", "1G", "--dtype", "half",
+                       "--long-prefill-token-threshold", "0", "--no-disable-log-stats"])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size,
+            args.enforce_eager, args.disable_log_stats) == (4000, 2048, 2, False, False)
+    config = vllm_spellings(engine_config(args))
+    assert (config["dtype"], config["kv_cache_memory_gib"], config["long_prefill_token_threshold"],
+            "kv_cache_memory_bytes" in config) == ("float16", 1.0, None, False)
+    assert [parse_args(["--max-model-len", v]).max_model_len for v in ("auto", "-1", "25.6k")] \
+        == [None, None, 25600]
+    for bad in (["--max-model-len", "4x"], ["--uvicorn-log-level", "loud"], ["--tp", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    (tmp_path / "c.yaml").write_text("max_model_len: 300\nenforce-eager: true\nport: 9000\n"
+                                     "served-model-name: [a, b]\n")
+    args = parse_args(["--config", str(tmp_path / "c.yaml"), "--port", "9001"])
+    assert (args.max_model_len, args.enforce_eager, args.served_model_name, args.port) == (
+        300, True, ["a", "b"], 9001)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert parse_args([]).api_key == ["secret"] and parse_args(["--api-key", "k"]).api_key == ["k"]
+    with pytest.raises(ValueError, match="model must be None .* got 'Qwen/Qwen3-0.6B'"):
+        LLM("Qwen/Qwen3-0.6B")
 
 
 def test_every_served_name_is_listed_and_taken(flagged):
