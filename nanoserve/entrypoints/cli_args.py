@@ -39,6 +39,8 @@ class ServingOptions:
     force_include_usage: bool = False  # every stream's usage, each chunk's too
     response_role: str = "assistant"  # chat's answer's role, after a generation prompt
     max_tokens_cap: int | None = None  # vLLM's override_max_tokens (serving_options)
+    log_requests: bool = False  # each prompt's token ids and params on stderr
+    max_log_len: int | None = None  # of them, at most this many ids
 
 
 def human_readable_int(value: str) -> int:
@@ -142,9 +144,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-credentials", **SWITCH)
     for flag in ("allowed-methods", "allowed-headers"):  # with --allowed-origins
         p.add_argument(f"--{flag}", type=json.loads, default=["*"])
+    p.add_argument("--enable-log-requests", **SWITCH,
+                   help="each prompt's token ids and sampling params on stderr (vLLM's)")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: at most this many of a prompt's ids")
     for flag in ("disable-log-requests", "trust-remote-code"):
-        # vLLM's, accepted as written in its command lines: nanoserve logs no requests, and
-        # runs no model code but its own (an architecture it lacks is an error)
+        # vLLM's, accepted as written in its command lines: nanoserve logs no requests unless
+        # asked, and runs no model code but its own (an architecture it lacks is an error)
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
     limits = HttpLimits()  # the HTTP layer's bounds (http_limits.py); h11 names: vLLM's
     p.add_argument("--max-header-bytes", "--h11-max-incomplete-event-size", type=int,
@@ -269,4 +275,5 @@ def serving_options(args: argparse.Namespace, sampling_defaults: dict) -> Servin
                           args.return_tokens_as_token_ids, args.reasoning_parser,
                           args.default_chat_template_kwargs,
                           args.exclude_tools_when_tool_choice_none,
-                          args.enable_force_include_usage, args.response_role, cap)
+                          args.enable_force_include_usage, args.response_role, cap,
+                          args.enable_log_requests, args.max_log_len)

@@ -47,8 +47,11 @@ VLLM_DTYPES = {"half": "float16", "float": "float32", torch.float16: "float16",
 def vllm_spellings(config: dict) -> dict:
     """`config` with vLLM's spellings in nanoserve's: dtype "half" / "float" / a torch dtype,
     kv_cache_memory_bytes (the pool in bytes, "4G" on the command line), and
-    long_prefill_token_threshold 0 (vLLM's "off")."""
+    long_prefill_token_threshold 0 (vLLM's "off"); trust_remote_code is a no-op (as served):
+    no model code runs but nanoserve's own."""
     config = dict(config)
+    if isinstance(config.get("trust_remote_code"), bool):
+        del config["trust_remote_code"]
     if isinstance(dtype := config.get("dtype"), (str, torch.dtype)):
         config["dtype"] = VLLM_DTYPES.get(dtype, dtype)
     if "kv_cache_memory_bytes" in config:

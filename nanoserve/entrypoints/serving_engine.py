@@ -9,6 +9,7 @@ differs: the prompt and the shapes."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -114,7 +115,11 @@ class OpenAIServing:
         req = check_request(body, self.endpoint)
         parser = self.tool_parser_of(req)  # chat's tool calls, or None
         inputs = await self.to_engine_inputs(req)
-        batch, streaming = Batch(len(inputs)), False
+        batch, streaming, head = Batch(len(inputs)), False, self.head(req)
+        if self.options.log_requests:  # vLLM's --enable-log-requests: a line a prompt
+            for i, (params, prompt_ids) in enumerate(inputs):
+                print(f"nanoserve: request {head['id']}-{i}: prompt_token_ids "
+                      f"{prompt_ids[:self.options.max_log_len]}, {params}", file=sys.stderr)
         if searches := beam_search_params(req, inputs):
             start_beam_searches(self, batch, inputs, searches, req.priority)
         else:
@@ -130,7 +135,6 @@ class OpenAIServing:
             choices = choices_of(req, inputs, await self.echoes(req, inputs), parser,
                                  self.options.as_token_ids, self.reasoning_parser_of(req),
                                  self.role_of(req))
-            head = self.head(req)
             if req.stream:
                 streaming = True  # from here the stream's end aborts (also if never started)
                 usage = StreamOptions(include_usage=True, continuous_usage_stats=True) if \

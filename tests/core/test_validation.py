@@ -203,8 +203,8 @@ CONFIG_CASES = [
      r"attention_backend='flash-attn' cannot be used"),
     # The flag means what it says: no chunking at all, so a per-request chunk cap is a
     # contradiction (it used to chunk a 20-token prompt into five chunks of 4).
-    ("trust_remote_code=True (a vLLM setting nanoserve has not)", dict(trust_remote_code=True),
-     r"trust_remote_code is not a nanoserve setting; the settings are dtype, device, "),
+    ('quantization="awq" (a vLLM setting nanoserve has not)', dict(quantization="awq"),
+     r"quantization is not a nanoserve setting; the settings are dtype, device, "),
     ("tokenizer a folder that is not there", dict(tokenizer="no/such/folder"),
      r"tokenizer must be None or a directory holding a tokenizer, got 'no/such/folder'"),
     ("generation_config a folder without one", dict(generation_config="no/such/folder"),

@@ -1,6 +1,7 @@
 """vLLM's server flags for where and how it listens, and for what shapes the answers
 (nanoserve/entrypoints/cli_args.py, launcher.py), each served on the bundled model:
-- --api-key with several keys (any of them), --disable-fastapi-docs (FastAPI's /docs gone);
+- --api-key with several keys (any of them), --disable-fastapi-docs (FastAPI's /docs gone),
+  --enable-log-requests (a line a prompt); vLLM's spellings of the flags (4k, -tp, --config);
 - --served-model-name with several names: each listed and taken, answers carrying the first;
 - --default-chat-template-kwargs under each request's (chat, /tokenize), --exclude-tools-when-
   tool-choice-none (the template not shown the tools), --enable-force-include-usage (a stream
@@ -36,7 +37,8 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--api-key", "key-a", "
          "--disable-fastapi-docs", "--default-chat-template-kwargs", '{"mood": "calm"}',
          "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage",
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--response-role", "model",
-         "--served-model-name", "m", "alias"]  # (over the harness's "m")
+         "--served-model-name", "m", "alias",  # (over the harness's "m")
+         "--enable-log-requests", "--max-log-len", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,14 @@ def test_any_of_the_api_keys_opens_it(flagged):
     assert r.status_code == 200, r.text
 
 
+def test_each_prompt_is_logged_with_enable_log_requests(flagged):
+    """vLLM's --enable-log-requests, with --max-log-len 3: a line a prompt on stderr."""
+    out = flagged.client(api_key="key-a").completions.create(model="m", prompt=[5, 6, 7, 8, 9],
+                                                             max_tokens=1)
+    [line] = [line for line in flagged.log().splitlines() if out.id in line]
+    assert f"request {out.id}-0: prompt_token_ids [5, 6, 7], SamplingParams(" in line
+
+
 def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
     """What vLLM's parser takes: 4k / 4K / auto, -tp, underscores, --no- forms, a YAML --config
     under the command line, VLLM_API_KEY where --api-key is not given; and what LLM takes of
@@ -88,6 +98,7 @@ def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
     config = vllm_spellings(engine_config(args))
     assert (config["dtype"], config["kv_cache_memory_gib"], config["long_prefill_token_threshold"],
             "kv_cache_memory_bytes" in config) == ("float16", 1.0, None, False)
+    assert vllm_spellings({"trust_remote_code": True}) == {}  # a no-op, offline as served
     assert [parse_args(["--max-model-len", v]).max_model_len for v in ("auto", "-1", "25.6k")] \
         == [None, None, 25600]
     for bad in (["--max-model-len", "4x"], ["--uvicorn-log-level", "loud"], ["--tp", "2"]):
