@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -67,6 +68,17 @@ def vllm_spellings(config: dict) -> dict:
     return config
 
 
+def cached_snapshot(model: object) -> str:
+    """A hub id ("org/name", as vLLM takes it) is its snapshot in the local Hugging Face cache,
+    where one is: nothing is downloaded."""
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception:  # not an id, or not cached
+        raise ValueError(f"model must be None (the bundled model), a local model directory or "
+                         f"a hub id already in the local cache (nothing is downloaded), got "
+                         f"{model!r}") from None
+
+
 class LLM(LLMEngine):
     """`LLM(model=None, tokenizer=None, generation_config="auto", override_generation_config=None,
     **config)`; model None = the bundled SmolLM2; tokenizer: a folder to load it from, not the
@@ -87,8 +99,7 @@ class LLM(LLMEngine):
                              f"{tokenizer!r}")
         if model is not None and not (isinstance(model, (str, os.PathLike))
                                       and os.path.isdir(model)):  # as vLLM reads a hub's id
-            raise ValueError(f"model must be None (the bundled model) or a local model "
-                             f"directory (nothing is downloaded from a hub), got {model!r}")
+            model = cached_snapshot(model)
         model = os.fspath(model) if model is not None else default_model_dir()
         self.sampling_defaults = sampling_defaults(  # before the load
             generation_config, model, override_generation_config)

@@ -24,6 +24,7 @@ import pytest
 from nanoserve.entrypoints.bundled import default_model_dir
 from nanoserve.entrypoints.cli_args import parse_args
 from nanoserve.entrypoints.launcher import address
+from tests.common.tiny_model import tiny_model_dir
 from tests.server.harness import ServerProcess, post
 
 # shows the template's options, and the tools it is given
@@ -86,6 +87,8 @@ def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
     """What vLLM's parser takes: 4k / 4K / auto, -tp, underscores, --no- forms, a YAML --config
     under the command line, VLLM_API_KEY where --api-key is not given; and what LLM takes of
     them (dtype half, the pool in bytes, threshold 0: off). A hub id is refused, named."""
+    import huggingface_hub
+
     from nanoserve import LLM
     from nanoserve.entrypoints.cli_args import engine_config
     from nanoserve.entrypoints.llm import vllm_spellings
@@ -109,10 +112,17 @@ def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
     args = parse_args(["--config", str(tmp_path / "c.yaml"), "--port", "9001"])
     assert (args.max_model_len, args.enforce_eager, args.served_model_name, args.port) == (
         300, True, ["a", "b"], 9001)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     assert parse_args([]).api_key == ["secret"] and parse_args(["--api-key", "k"]).api_key == ["k"]
     with pytest.raises(ValueError, match="model must be None .* got 'Qwen/Qwen3-0.6B'"):
-        LLM("Qwen/Qwen3-0.6B")
+        LLM("Qwen/Qwen3-0.6B")  # not in the (empty) cache: nothing is downloaded
+    # a hub id already in the local cache is its snapshot there
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_model_dir(), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    assert LLM("org/tiny", num_kv_blocks=8, block_size=16).model_dir == str(snapshot)
 
 
 def test_every_served_name_is_listed_and_taken(flagged):
