@@ -52,6 +52,7 @@ class EngineConfig:
     enable_fast_paths: bool = True  # the fast-path plugins (nanoserve_accel), if installed
     usage_context: str = "llm"  # "llm" or "server": whose defaults apply (vLLM's UsageContext)
     tensor_parallel_size: int = 1  # processes the model is split over (engine/workers.py)
+    max_logprobs: int = 20  # the most a request may ask for (vLLM's; -1: the vocabulary)
     seed: int = 0  # for requests that sample without their own seed
     trace: bool = False  # print one line per step (also: NANOSERVE_TRACE=1)
     trace_file: str | None = None  # append one JSON line per step (nanoserve/trace.py)
@@ -67,6 +68,7 @@ class EngineConfig:
                  f"None or an integer >= {low}")
         need(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
              "tensor_parallel_size", "an integer >= 1")
+        need(is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs", "an int >= -1")
         need(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "> 0")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES), ("batching", BATCHING),

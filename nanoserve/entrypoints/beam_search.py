@@ -12,7 +12,7 @@ from functools import partial
 
 from nanoserve.entrypoints.prompts import prompt_tokens
 from nanoserve.layers.sampler import Logprob
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils import check_field, is_int
 
 
@@ -31,7 +31,7 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         need = partial(check_field, self)
-        most = MAX_LOGPROBS // 2  # each round asks for 2 × beam_width logprobs
+        most = 10  # each round asks for 2 × beam_width logprobs: max_logprobs' 20 by default
         need(is_int(self.beam_width) and 1 <= self.beam_width <= most, "beam_width",
              f"an integer in [1, {most}]")
         need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")

@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        ("kv-cache-memory-gib", float), ("gpu-memory-utilization", float),
                        ("long-prefill-token-threshold", int),
                        ("scheduling-policy", str), ("batching", str), ("attention-backend", str),
-                       ("seed", int), ("trace-file", str)):
+                       ("seed", int), ("max-logprobs", int), ("trace-file", str)):
         p.add_argument(f"--{flag}", type=kind, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     for flag in ("enable-prefix-caching", "enable-chunked-prefill", "enforce-eager"):

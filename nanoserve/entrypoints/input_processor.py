@@ -41,6 +41,10 @@ class InputProcessor:
                              f"{type(params).__name__}")
         params = copy.deepcopy(params)  # ours: the user's later changes have no effect
         params.validate()
+        most = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > most:  # vLLM's rule
+            raise ValueError(f"logprobs must be None or an integer in [0, {most}] "
+                             f"(max_logprobs), got {params.logprobs}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")
         if not is_int(priority):

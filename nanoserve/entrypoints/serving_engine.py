@@ -61,6 +61,8 @@ class OpenAIServing:
         self.end_id = end_token_id(engine.llm.tokenizer) if self.options.reasoning_parser else None
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
+        most = engine.llm.config.max_logprobs  # --max-logprobs (-1: the vocabulary)
+        self.max_logprobs = engine.llm.vocab_size if most == -1 else most
 
     # -- what the endpoints define -------------------------------------------------------
 
@@ -211,6 +213,10 @@ class OpenAIServing:
                 message = name + message[len(field_name):]  # the field as the client sent it
             raise APIError(message, name) from None
         check_max_tokens(max_tokens, self.max_model_len, self.wire_name("max_tokens", req))
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            name = self.wire_name("logprobs", req)
+            raise APIError(f"{name} must be at most {self.max_logprobs} (--max-logprobs), got "
+                           f"{params.logprobs}", name)
         # vLLM's get_max_tokens: the least of the prompt's room, what the request asks for (or
         # the model's default) and --generation-config's cap on any (ServingOptions)
         limits = (most if max_tokens is None else max_tokens, self.options.max_tokens_cap)

@@ -203,7 +203,6 @@ def test_stop_token_id_is_the_stop_reason_and_its_text_is_left_out(llm):
 
 
 @pytest.mark.parametrize("kw, field", [({"n": 129}, "n"), ({"n": 0}, "n"),
-                                       ({"logprobs": 21}, "logprobs"),
                                        ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"),
                                        ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
                                        ({"include_stop_str_in_output": 1},

@@ -122,6 +122,9 @@ REQUEST_CASES = [
         stop_token_ids=[True])), r"stop_token_ids must be a list of integers >= 0, got \[True\]"),
     ("stop_token_ids=7", lambda llm: llm.add_request("hi", SamplingParams(stop_token_ids=7)),
      r"stop_token_ids must be a list of integers >= 0, got 7"),
+    # the engine's max_logprobs (vLLM's), 20 by default
+    ("logprobs=21", lambda llm: llm.add_request("hi", SamplingParams(logprobs=21)),
+     r"logprobs must be None or an integer in \[0, 20\] \(max_logprobs\), got 21"),
     ("skip_special_tokens=1", lambda llm: llm.add_request("hi", SamplingParams(
         skip_special_tokens=1)), r"skip_special_tokens must be a bool, got 1"),
     ("stop=''", lambda llm: llm.add_request("hi", SamplingParams(stop="")),
@@ -190,6 +193,7 @@ CONFIG_CASES = [
     ("max_model_len=4096 > the model's max_position_embeddings", dict(max_model_len=4096),
      r"max_model_len \(4096\) must be <= the model's max_position_embeddings \(2048\)"),
     ("block_size=0", dict(block_size=0), r"block_size must be None or an integer >= 1"),
+    ("max_logprobs=-2", dict(max_logprobs=-2), r"max_logprobs must be an int >= -1, got -2"),
     ("block_size=-16", dict(block_size=-16), r"block_size must be None or an integer >= 1"),
     ("max_num_seqs=0", dict(max_num_seqs=0), r"max_num_seqs must be None or an integer >= 1"),
     ('scheduling_policy="lifo"', dict(scheduling_policy="lifo"),
@@ -259,7 +263,10 @@ def test_boundary_prompts_are_accepted(llm):
         logprobs=True).logprobs) == ([], 1)
     # max_tokens None: up to max_model_len (a roomy cache, so the context is what stops it)
     roomy = LLM(tiny_model_dir(), num_kv_blocks=32, block_size=BLOCK_SIZE,
-                max_model_len=MAX_MODEL_LEN)
+                max_model_len=MAX_MODEL_LEN, max_logprobs=-1)  # -1: the vocabulary
+    [out] = roomy.generate(["hi"], SamplingParams(max_tokens=1, logprobs=VOCAB_SIZE),
+                           use_tqdm=False)
+    assert len(out.logprobs[0]) == VOCAB_SIZE  # every token (the sampled one among them)
     [out] = roomy.generate([[5] * 60], SamplingParams(temperature=0, max_tokens=None,
                                                       ignore_eos=True), use_tqdm=False)
     assert out.finish_reason == "length" and len(out.token_ids) == MAX_MODEL_LEN - 60

@@ -39,7 +39,7 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--api-key", "key-a", "
          "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage",
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--response-role", "model",
          "--served-model-name", "m", "alias",  # (over the harness's "m")
-         "--enable-log-requests", "--max-log-len", "3"]
+         "--enable-log-requests", "--max-log-len", "3", "--max-logprobs", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,17 @@ def test_each_prompt_is_logged_with_enable_log_requests(flagged):
                                                              max_tokens=1)
     [line] = [line for line in flagged.log().splitlines() if out.id in line]
     assert f"request {out.id}-0: prompt_token_ids [5, 6, 7], SamplingParams(" in line
+
+
+def test_max_logprobs_caps_what_a_request_asks(flagged):
+    """vLLM's --max-logprobs (here 2): more is a 400 naming the request's field."""
+    body = {"model": "m", "prompt": "a", "max_tokens": 1}
+    auth = {"authorization": "Bearer key-a"}
+    ok = post(flagged, "/v1/completions", json.dumps({**body, "logprobs": 2}), auth)
+    assert len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+    r = post(flagged, "/v1/completions", json.dumps({**body, "logprobs": 3}), auth)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "logprobs")
+    assert "at most 2 (--max-logprobs), got 3" in r.json()["error"]["message"]
 
 
 def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
