@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from nanoserve.config import EngineConfig
 from nanoserve.entrypoints.http_limits import HttpLimits
 from nanoserve.entrypoints.reasoning_parser import PARSERS as REASONING_PARSERS
@@ -62,13 +64,15 @@ def vllm_flag_names(argv: list[str]) -> list[str]:
     """vLLM's parser takes --max_model_len for --max-model-len: the same here; and --config
     FILE, a YAML file of flags (a key each: `max-model-len: 4096`), under the command line's."""
     argv = [re.sub(r"^--[^=]*", lambda m: m.group().replace("_", "-"), a) for a in argv]
+    argv = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
     if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
-        return argv
-    import yaml
-
+        return argv  # (argparse says what --config lacks)
     at = argv.index("--config")
-    with open(argv[at + 1]) as f:
-        settings = yaml.safe_load(f) or {}
+    try:
+        with open(argv[at + 1]) as f:
+            settings = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        sys.exit(f"nanoserve serve: --config {argv[at + 1]}: {e}")
     if not isinstance(settings, dict):
         sys.exit(f"nanoserve serve: --config {argv[at + 1]} must hold a YAML mapping of flags")
     flags = []

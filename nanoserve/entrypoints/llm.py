@@ -81,9 +81,10 @@ def cached_snapshot(model: object) -> str:
 
 class LLM(LLMEngine):
     """`LLM(model=None, tokenizer=None, generation_config="auto", override_generation_config=None,
-    **config)`; model None = the bundled SmolLM2; tokenizer: a folder to load it from, not the
-    model's; generation_config: whose sampling defaults apply, and override_generation_config
-    settings over them (vLLM's all; generation_config.py)."""
+    **config)`; model: a model folder, a hub id in the local cache, or None (the bundled
+    SmolLM2); tokenizer: a folder to load it from, not the model's; generation_config: whose
+    sampling defaults apply, and override_generation_config settings over them (vLLM's all;
+    generation_config.py); config: EngineConfig's settings, some in vLLM's spellings too."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,

@@ -120,9 +120,11 @@ def test_vllm_spellings_of_the_flags(tmp_path, monkeypatch):
             parse_args(bad)
     (tmp_path / "c.yaml").write_text("max_model_len: 300\nenforce-eager: true\nport: 9000\n"
                                      "served-model-name: [a, b]\n")
-    args = parse_args(["--config", str(tmp_path / "c.yaml"), "--port", "9001"])
+    args = parse_args([f"--config={tmp_path / 'c.yaml'}", "--port", "9001"])
     assert (args.max_model_len, args.enforce_eager, args.served_model_name, args.port) == (
         300, True, ["a", "b"], 9001)
+    with pytest.raises(SystemExit, match="no-such.yaml"):
+        parse_args(["--config", "no-such.yaml"])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     assert parse_args([]).api_key == ["secret"] and parse_args(["--api-key", "k"]).api_key == ["k"]
