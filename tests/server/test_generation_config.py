@@ -93,7 +93,7 @@ def test_override_generation_config_sets_over_the_models(model_dir):
     assert alone.get_default_sampling_params() == SamplingParams(top_k=3)
     with pytest.raises(ValueError, match="override_generation_config must be a dict"):
         LLM(model_dir, override_generation_config=[0.5], **TINY_CONFIG)
-    with pytest.raises(ValueError, match="^temperature must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"^temperature must be a number in \[0, 2\], got -1"):
         LLM(model_dir, override_generation_config={"temperature": -1}, **TINY_CONFIG)
 
 

@@ -618,7 +618,8 @@ def test_api_key_sigterm_and_trace_file(tmp_path):
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
             assert httpx.get(s.base + "/v1/models", headers=headers).status_code == 401
             assert post(s, "/tokenize", '{"prompt": "hi"}', headers).status_code == 401
-        for header in ("sesame", "Bearer  sesame", "bearer sesame", "Bearer sesame,x"):
+        # (the scheme in any case: "bearer sesame" opens it, as in vLLM: test_launch_flags.py)
+        for header in ("sesame", "Bearer  sesame", "Basic sesame", "Bearer sesame,x"):
             r = post(s, "/v1/completions", json.dumps(GOOD), {"authorization": header})
             assert r.status_code == 401, header
         with pytest.raises(openai.AuthenticationError):
