@@ -27,6 +27,8 @@ class InputProcessor:
     def __init__(self, engine: LLMEngine, tokenizer: Any) -> None:
         self.tokenizer, self.config, self.vocab_size = tokenizer, engine.config, engine.vocab_size
         self.block_manager = engine.scheduler.block_manager
+        most = engine.config.max_logprobs  # the most a request may ask for (-1: the vocabulary)
+        self.max_logprobs = self.vocab_size if most == -1 else most
         self.eos_token_ids = eos_token_ids(engine.hf_config, tokenizer, engine.model_dir)
         self._ids = itertools.count()
 
@@ -41,9 +43,8 @@ class InputProcessor:
                              f"{type(params).__name__}")
         params = copy.deepcopy(params)  # ours: the user's later changes have no effect
         params.validate()
-        most = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
-        if params.logprobs is not None and params.logprobs > most:  # vLLM's rule
-            raise ValueError(f"logprobs must be None or an integer in [0, {most}] "
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:  # vLLM's rule
+            raise ValueError(f"logprobs must be None or an integer in [0, {self.max_logprobs}] "
                              f"(max_logprobs), got {params.logprobs}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is True)")

@@ -61,8 +61,7 @@ class OpenAIServing:
         self.end_id = end_token_id(engine.llm.tokenizer) if self.options.reasoning_parser else None
         self.longest_token = longest_token  # characters (validation.longest_token)
         self.max_model_len = engine.llm.config.max_model_len
-        most = engine.llm.config.max_logprobs  # --max-logprobs (-1: the vocabulary)
-        self.max_logprobs = engine.llm.vocab_size if most == -1 else most
+        self.max_logprobs = engine.llm.processor.max_logprobs  # --max-logprobs
 
     # -- what the endpoints define -------------------------------------------------------
 
