@@ -10,7 +10,8 @@ It is the only place anything is swapped in, and it swaps whole modules:
     a decode step's layers are one C call of those kernels (layer.py, csrc/layer.c; longer
     steps run on a few row counts, which a server has oneDNN build as it starts), top-k and
     top-p filter the likeliest tokens only and each row's largest logit is found in C
-    (sampler.py, csrc/fused.c), and freed buffers stay in the heap
+    (sampler.py, csrc/fused.c); a greedy decode step runs as those C calls alone, no torch op
+    between them (step.py); freed buffers stay in the heap
     (kernels.keep_freed_memory, process-wide); the weights, laid out, are moved onto 2 MB
     pages, and the KV cache is allocated on them (hugepages.py).
 The results equal the plain path's (nanoserve_accel/tests/)."""
@@ -28,6 +29,7 @@ from nanoserve_accel.layer import fuse_layers, warm_gemms
 from nanoserve_accel.linear import replace_linears
 from nanoserve_accel.paged_attention import with_decode_kernel, with_prefill_kernel
 from nanoserve_accel.sampler import c_largest, candidate_probs
+from nanoserve_accel.step import decode_step
 
 if TYPE_CHECKING:
     from nanoserve.engine.model_runner import ModelRunner
@@ -59,3 +61,4 @@ def use_kernels(runner: ModelRunner, lib: ctypes.CDLL, machine: plan.Machine) ->
         if plan.prefill_attention(machine, runner.dtype) != "torch twin":
             runner.backend = with_prefill_kernel(runner.backend, lib, machine)
         fuse_layers(runner.model, lib)  # a decode step's layers: one C call
+        runner.decode_step = decode_step(runner)  # and, greedy, the whole step: no torch op

@@ -147,9 +147,9 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_layers = self.model.attention_layers()
         self.sampler = Sampler(config.seed, self.device)
-        self.fast_paths, self.kv_zeros = [], torch.zeros  # how the KV cache is allocated
+        self.fast_paths, self.kv_zeros, self.decode_step = [], torch.zeros, None  # their hooks
         for name, optimize in fast_paths() if config.enable_fast_paths else []:
-            optimize(self)  # may replace modules of self.model, self.backend, self.kv_zeros
+            optimize(self)  # may replace self.model's modules, backend, kv_zeros, decode_step
             self.fast_paths.append(name)
         if config.torch_compile:
             compile_elementwise(self.model)
@@ -205,6 +205,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step; return each sampling request's token (or the sampler's error)."""
         step, reqs = step_inputs(out, self.block_size)
+        if self.decode_step and (tokens := self.decode_step(step, reqs)) is not None:
+            return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
         if self.workers is None:
             logits = self.run(step)
         else:  # tensor parallel: the other ranks run it too

@@ -1,5 +1,4 @@
-"""The checks every setting goes through (EngineConfig, SamplingParams, the model's sizes); the
-CPU probe is cpu.py."""
+"""The checks every setting goes through (EngineConfig, SamplingParams); the CPU probe: cpu.py."""
 
 from __future__ import annotations
 
@@ -28,6 +27,5 @@ def as_token_id(value: object) -> int | None:
 def divide(total: int, tp_size: int, name: str) -> int:
     """Each tensor-parallel rank's share of `total` (heads, MLP columns, vocabulary rows)."""
     if total % tp_size:
-        raise ValueError(f"{name} ({total}) must be divisible by tensor_parallel_size "
-                         f"({tp_size})")
+        raise ValueError(f"{name} ({total}) must be divisible by tensor_parallel_size ({tp_size})")
     return total // tp_size

@@ -172,9 +172,10 @@ def test_abort_every_state_on_fake_engine(policy):
 
 
 def fail_once(llm: LLM, monkeypatch, at_call: int) -> dict:
-    """Make the model forward raise on its `at_call`-th call (1-based), once."""
-    model = llm.model_runner.model
-    real = model.forward
+    """Make the step's forward raise on its `at_call`-th call (1-based), once: the runner's,
+    which every step goes through (a fast path's decode step does not call the model's)."""
+    runner = llm.model_runner
+    real = runner.execute_model
     state = {"calls": 0, "raised": False}
 
     def forward(*args, **kwargs):
@@ -184,7 +185,7 @@ def fail_once(llm: LLM, monkeypatch, at_call: int) -> dict:
             raise RuntimeError("injected forward failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(runner, "execute_model", forward)
     return state
 
 
