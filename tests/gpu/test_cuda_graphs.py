@@ -65,6 +65,7 @@ def test_graph_runner_plumbing_matches_eager_on_cpu(monkeypatch, dtype):
             runner.model = CUDAGraphRunner(runner.model, 5, runner.max_blocks_per_seq,
                                             padding_block=runner.num_kv_blocks,
                                             block_size=runner.block_size)
+            runner.decode_step = None  # the CPU fast path's, which would go around the graphs
             sizes = []  # (rows, captured size) of every replay
             monkeypatch.setattr(cuda_graph, "padded_batch_size", _recording(sizes))
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
