@@ -116,9 +116,12 @@ static inline __attribute__((always_inline)) void decode_request(
   float *scores = buf->scores, *acc = buf->acc;
   int64_t* offsets = buf->offsets;
   const int32_t* blocks = block_table + (int64_t)b * W;
-  for (int t = t0; t < t1; ++t) /* where token t's KV head g0 starts in either cache */
-    offsets[t - t0] =
-        ((int64_t)blocks[t / block_size] * block_size + t % block_size) * row + g0 * D;
+  for (int t = t0, j = t0 / block_size, in = t0 % block_size; t < t1; ++t) {
+    /* where token t's KV head g0 starts in either cache: slot `in` of block j (counted: a
+     * division and a remainder a token showed at long contexts, docs/benchmarks.md) */
+    offsets[t - t0] = ((int64_t)blocks[j] * block_size + in) * row + g0 * D;
+    if (++in == block_size) in = 0, ++j;
+  }
   if (decode_request_wide(q, k_cache, v_cache, offsets, L, out, H, Hkv, D, scale, bf16, scores,
                           out_bf16, lse))
     return; /* AVX-512 and a head size it takes: attention_avx512.c */
