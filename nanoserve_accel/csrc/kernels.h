@@ -125,7 +125,10 @@ static inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n: n in the exponent field */
+  /* 2^n: n + 127 (1..127) in the exponent field. A NaN x (a NaN activation) leaves p NaN, and
+   * so the result; its n would convert to no int (UBSan: a shift of a negative value), so that
+   * lane takes any exponent. Unsigned, the shift is defined for every value. */
+  const uint32_t bits = (uint32_t)(n == n ? (int32_t)n + 127 : 0) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
